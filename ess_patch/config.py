@@ -1,0 +1,90 @@
+"""Configuration of the ESS learning-rate rule: validated once, immutable afterwards."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+__all__ = ["NONFINITE_POLICIES", "RULES", "WEIGHT_MODES", "EssLrConfig"]
+
+#: "geometric": per-trajectory *mean* log-ratio (length-normalised, the seed's default).
+#: "product": per-trajectory *sum* of log-ratios (VCPO's published code); brakes much harder.
+WEIGHT_MODES = ("geometric", "product")
+#: How rho/base_ratio maps to a scale before clamping to [floor, 1].
+RULES = ("sqrt", "linear")
+#: "raise": a non-finite log-ratio raises on every rank, naming the rank and sample index.
+#: "floor": fail closed: the update still runs, at the floor LR, and the result says why.
+NONFINITE_POLICIES = ("raise", "floor")
+
+_ENV_PREFIX = "ESS_LR_"
+
+
+def _choice(name: str, value: object, valid: tuple[str, ...]) -> str:
+    if value not in valid:
+        raise ValueError(
+            f"EssLrConfig.{name}={value!r} is not a known value; valid values: {', '.join(valid)}"
+        )
+    return value  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class EssLrConfig:
+    """How the ESS of a rollout becomes an LR scale.
+
+    ``scale = clamp(rule(rho / base_ratio), floor, 1)`` with ``rho = ESS / B``.
+
+    Raises:
+        ValueError: a field is out of range or names an unknown mode (the message
+            lists the valid values).
+    """
+
+    floor: float = 0.1
+    weight_mode: str = "geometric"
+    rule: str = "sqrt"
+    base_ratio: float = 1.0
+    nonfinite: str = "raise"
+
+    def __post_init__(self) -> None:
+        floor = _as_float("floor", self.floor)
+        if not 0.0 < floor <= 1.0:
+            raise ValueError(
+                f"EssLrConfig.floor={self.floor!r} must be in (0, 1]: it is the smallest "
+                "fraction of the scheduled LR an update may use (default 0.1)"
+            )
+        base = _as_float("base_ratio", self.base_ratio)
+        if not base > 0.0 or base == float("inf"):
+            raise ValueError(
+                f"EssLrConfig.base_ratio={self.base_ratio!r} must be a finite number > 0 "
+                "(rho is divided by it; 1.0 means no rescaling)"
+            )
+        object.__setattr__(self, "floor", floor)
+        object.__setattr__(self, "base_ratio", base)
+        _choice("weight_mode", self.weight_mode, WEIGHT_MODES)
+        _choice("rule", self.rule, RULES)
+        _choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> EssLrConfig:
+        """Build a config from ``ESS_LR_FLOOR``, ``ESS_LR_WEIGHT_MODE``, ``ESS_LR_RULE``,
+        ``ESS_LR_BASE_RATIO``, ``ESS_LR_NONFINITE``; explicit ``overrides`` win."""
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            raw = env.get(_ENV_PREFIX + f.name.upper())
+            if raw is not None and raw != "":
+                values[f.name] = raw
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def _as_float(name: str, value: object) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"EssLrConfig.{name}={value!r} must be a number, not a bool")
+    try:
+        out = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"EssLrConfig.{name}={value!r} is not a number") from None
+    if out != out:
+        raise ValueError(f"EssLrConfig.{name} is NaN; give a number")
+    return out

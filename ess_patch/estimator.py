@@ -1,0 +1,232 @@
+"""ESS of a rollout's trajectory weights: pure tensor math, no torch.distributed.
+
+The computation is split in three steps so that the reduction layer can put its
+collectives between them:
+
+1. :func:`trajectory_stats` -- per trajectory ``[sum of masked d_t, token count,
+   non-finite count]`` from this rank's tokens (CP ranks all-reduce this table);
+2. :func:`summarize` -- per rank ``[max m, S1, S2, counts, flags]`` with
+   ``S1 = sum exp(m - max)`` and ``S2 = sum exp(2 (m - max))`` (DP ranks gather it);
+3. :func:`combine` + :func:`finalize` -- merge the per-rank summaries with one global
+   shift and turn them into an :class:`EssLrResult`.
+
+Everything is accumulated in float64 and shifted by the largest ``m_i``, so product
+mode over thousands of tokens never overflows. The number of tensor operations does
+not depend on the number of trajectories (one kernel launch each on a GPU).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from .config import EssLrConfig
+from .result import EssLrResult
+
+__all__ = [
+    "SUMMARY_SIZE",
+    "NonFiniteLogProbError",
+    "combine",
+    "finalize",
+    "summarize",
+    "trajectory_stats",
+    "validate_inputs",
+]
+
+_ACC = torch.float64
+
+# Layout of a per-rank summary vector (float64).
+_MAX, _S1, _S2, _N_VALID, _N_EMPTY, _N_BAD, _BAD_INDEX, _RANK, _MISSING = range(9)
+SUMMARY_SIZE = 9
+
+
+class NonFiniteLogProbError(FloatingPointError):
+    """A masked token's train/rollout log-ratio was NaN or infinite (``nonfinite="raise"``)."""
+
+
+def validate_inputs(
+    log_probs: Sequence[torch.Tensor],
+    rollout_log_probs: Sequence[torch.Tensor],
+    loss_masks: Sequence[torch.Tensor],
+) -> None:
+    """Raise ``ValueError``/``TypeError`` naming the sample index if the inputs don't line up.
+
+    Only metadata is read: no tensor operation is dispatched.
+    """
+    names = ("log_probs", "rollout_log_probs", "loss_masks")
+    seqs = (log_probs, rollout_log_probs, loss_masks)
+    for name, seq in zip(names, seqs, strict=True):
+        if isinstance(seq, torch.Tensor) or not isinstance(seq, Sequence):
+            raise TypeError(
+                f"{name} must be a sequence (list/tuple) of 1-D tensors, one per trajectory; "
+                f"got {type(seq).__name__}"
+            )
+    counts = [len(s) for s in seqs]
+    if len(set(counts)) != 1:
+        raise ValueError(
+            "log_probs, rollout_log_probs and loss_masks must hold one tensor per trajectory "
+            f"each; got {counts[0]}, {counts[1]} and {counts[2]} tensors"
+        )
+    for i, (lp, rlp, mask) in enumerate(zip(log_probs, rollout_log_probs, loss_masks, strict=True)):
+        for name, t in zip(names, (lp, rlp, mask), strict=True):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}[{i}] is a {type(t).__name__}, expected a torch.Tensor")
+            if t.dim() != 1:
+                raise ValueError(
+                    f"{name}[{i}] has shape {tuple(t.shape)}; expected a 1-D tensor of "
+                    f"per-token values for sample {i}"
+                )
+        for name, t in (("log_probs", lp), ("rollout_log_probs", rlp)):
+            if not t.is_floating_point():
+                raise TypeError(
+                    f"{name}[{i}] has dtype {t.dtype}; log-probs must be floating point"
+                )
+        if mask.is_complex():
+            raise TypeError(f"loss_masks[{i}] has dtype {mask.dtype}; expected bool, int or float")
+        if not (lp.shape[0] == rlp.shape[0] == mask.shape[0]):
+            raise ValueError(
+                f"sample {i}: log_probs has {lp.shape[0]} tokens, rollout_log_probs "
+                f"{rlp.shape[0]}, loss_masks {mask.shape[0]}; they must be aligned token by token "
+                "(pass the masks sliced to this rank's tokens)"
+            )
+        if not (lp.device == rlp.device == mask.device):
+            raise ValueError(
+                f"sample {i}: log_probs on {lp.device}, rollout_log_probs on {rlp.device}, "
+                f"loss_masks on {mask.device}; put them on one device"
+            )
+
+
+def trajectory_stats(
+    log_probs: Sequence[torch.Tensor],
+    rollout_log_probs: Sequence[torch.Tensor],
+    loss_masks: Sequence[torch.Tensor],
+) -> torch.Tensor:
+    """Per-trajectory ``[sum of masked d_t, masked finite tokens, masked non-finite tokens]``.
+
+    Returns a float64 tensor of shape ``[B, 3]``. Non-finite log-ratios are counted in
+    column 2 and left out of the sum, so that a sum over ranks stays meaningful. A mask
+    entry counts when it is non-zero.
+    """
+    validate_inputs(log_probs, rollout_log_probs, loss_masks)
+    num = len(log_probs)
+    if num == 0:
+        return torch.zeros((0, 3), dtype=_ACC)
+    device = log_probs[0].device
+    lengths = [t.shape[0] for t in log_probs]
+    total = sum(lengths)
+    lp = torch.cat(list(log_probs)).to(_ACC)
+    rlp = torch.cat(list(rollout_log_probs)).to(_ACC)
+    mask = torch.cat([m if m.dtype == torch.bool else m != 0 for m in loss_masks])
+    segment = torch.repeat_interleave(
+        torch.arange(num, device=device),
+        torch.tensor(lengths, device=device),
+        output_size=total,
+    )
+    diff = lp - rlp
+    finite = torch.isfinite(diff)
+    good = mask & finite
+    stats = torch.zeros((num, 3), dtype=_ACC, device=device)
+    stats[:, 0].index_add_(0, segment, torch.where(good, diff, 0.0))
+    stats[:, 1].index_add_(0, segment, good.to(_ACC))
+    stats[:, 2].index_add_(0, segment, (mask & ~finite).to(_ACC))
+    return stats
+
+
+def summarize(
+    stats: torch.Tensor,
+    config: EssLrConfig,
+    *,
+    rank: int = 0,
+    missing: bool | torch.Tensor = False,
+) -> torch.Tensor:
+    """Reduce this rank's (CP-complete) trajectory table to a summary vector.
+
+    ``missing`` marks missing inputs (a bool, or a 0-dim tensor so that no host sync is
+    needed); the flag travels with the summary so that every rank reaches the same no-op.
+    """
+    out = torch.zeros(SUMMARY_SIZE, dtype=_ACC, device=stats.device)
+    out[_MAX] = -math.inf
+    out[_BAD_INDEX] = -1.0
+    out[_RANK] = float(rank)
+    out[_MISSING] = missing
+    total, count, bad = stats[:, 0], stats[:, 1], stats[:, 2]
+    is_bad = bad > 0
+    m = total / count.clamp_min(1.0) if config.weight_mode == "geometric" else total
+    is_bad = is_bad | ~torch.isfinite(m)
+    valid = (count > 0) & ~is_bad
+    m = torch.where(valid, m, -math.inf)
+    shift = m.max() if m.numel() else out[_MAX]
+    # All -inf (nothing valid) would make (m - shift) NaN; shift by 0 instead.
+    safe_shift = torch.where(torch.isfinite(shift), shift, 0.0)
+    w = torch.exp(m - safe_shift)
+    first_bad = (
+        torch.where(is_bad, torch.arange(m.numel(), device=m.device, dtype=_ACC), math.inf).min()
+        if m.numel()
+        else out[_BAD_INDEX]
+    )
+    out[_MAX] = shift
+    out[_S1] = w.sum()
+    out[_S2] = (w * w).sum()
+    out[_N_VALID] = valid.sum()
+    out[_N_EMPTY] = ((count == 0) & ~is_bad).sum()
+    out[_N_BAD] = is_bad.sum()
+    out[_BAD_INDEX] = torch.where(torch.isfinite(first_bad), first_bad, -1.0)
+    return out
+
+
+def combine(summaries: torch.Tensor) -> torch.Tensor:
+    """Merge per-rank summaries (shape ``[R, SUMMARY_SIZE]``) under one global shift."""
+    if summaries.dim() == 1:
+        return summaries
+    maxes = summaries[:, _MAX]
+    shift = maxes.max()
+    safe_shift = torch.where(torch.isfinite(shift), shift, 0.0)
+    # A rank with nothing valid has max -inf and S1 = S2 = 0: its factor is exp(-inf) = 0.
+    factor = torch.exp(maxes - safe_shift)
+    out = torch.empty(SUMMARY_SIZE, dtype=_ACC, device=summaries.device)
+    out[_MAX] = shift
+    out[_S1] = (summaries[:, _S1] * factor).sum()
+    out[_S2] = (summaries[:, _S2] * factor * factor).sum()
+    for col in (_N_VALID, _N_EMPTY, _N_BAD, _MISSING):
+        out[col] = summaries[:, col].sum()
+    has_bad = summaries[:, _N_BAD] > 0
+    first = torch.argmax(has_bad.to(torch.int8))  # first row with a bad trajectory
+    out[_BAD_INDEX] = summaries[first, _BAD_INDEX]
+    out[_RANK] = summaries[first, _RANK]
+    return out
+
+
+def finalize(summary: torch.Tensor, config: EssLrConfig) -> EssLrResult:
+    """Turn a (global) summary into the result; the only host synchronisation."""
+    s = summary.tolist()
+    n_valid, n_empty, n_bad = int(s[_N_VALID]), int(s[_N_EMPTY]), int(s[_N_BAD])
+    if s[_MISSING] > 0:
+        return EssLrResult.noop("missing", num_empty=n_empty)
+    if n_bad > 0:
+        if config.nonfinite == "raise":
+            raise NonFiniteLogProbError(
+                f"non-finite train/rollout log-prob ratio in {n_bad} trajectory(ies); first: "
+                f"sample index {int(s[_BAD_INDEX])} on rank {int(s[_RANK])}. Check the "
+                "log-probs fed to ESS-LR, or set nonfinite='floor' (--ess-lr-nonfinite floor) "
+                "to train those steps at the floor LR instead"
+            )
+        return EssLrResult(
+            scale=config.floor,
+            rho=math.nan,
+            ess=math.nan,
+            num_trajectories=n_valid,
+            num_empty=n_empty,
+            num_nonfinite=n_bad,
+            status="nonfinite",
+        )
+    if n_valid == 0:
+        return EssLrResult.noop("no_valid", num_empty=n_empty)
+    # After the shift the largest weight is exactly 1: 1 <= S2 <= S1 <= B, no overflow.
+    ess = s[_S1] * s[_S1] / s[_S2]
+    rho = min(1.0, max(1.0 / n_valid, ess / n_valid))
+    ratio = rho / config.base_ratio
+    raw = math.sqrt(ratio) if config.rule == "sqrt" else ratio
+    scale = min(1.0, max(config.floor, raw))
+    return EssLrResult(scale=scale, rho=rho, ess=ess, num_trajectories=n_valid, num_empty=n_empty)

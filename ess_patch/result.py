@@ -1,0 +1,63 @@
+"""The outcome of one rollout's ESS computation, as armed for its optimizer steps."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["STATUSES", "EssLrResult"]
+
+#: ok: computed from at least one valid trajectory.
+#: no_valid: no trajectory had a masked token anywhere: no-op (scale 1, rho 1).
+#: missing: some rank lacked the log-prob inputs: no-op on every rank.
+#: nonfinite: a NaN/inf log-ratio with the "floor" policy: fail closed to the floor.
+#: manual: armed from a bare float by the caller.
+STATUSES = ("ok", "no_valid", "missing", "nonfinite", "manual")
+
+
+@dataclass(frozen=True)
+class EssLrResult:
+    """ESS, rho and the LR scale of one rollout (identical on every rank).
+
+    Attributes:
+        scale: factor applied to every param group's LR, in [floor, 1].
+        rho: ESS / num_trajectories, in [1/B, 1]; 1.0 for a no-op.
+        ess: effective sample size of the trajectory weights.
+        num_trajectories: B, the trajectories with at least one masked token.
+        num_empty: trajectories with no masked token (left out of the sums and of B).
+        num_nonfinite: trajectories whose log-ratio was NaN/inf.
+        status: one of ``STATUSES``.
+    """
+
+    scale: float
+    rho: float
+    ess: float
+    num_trajectories: int
+    num_empty: int = 0
+    num_nonfinite: int = 0
+    status: str = "ok"
+
+    @classmethod
+    def noop(cls, status: str, *, num_empty: int = 0) -> EssLrResult:
+        """The result that changes nothing (scale 1, rho 1)."""
+        return cls(
+            scale=1.0, rho=1.0, ess=0.0, num_trajectories=0, num_empty=num_empty, status=status
+        )
+
+    @classmethod
+    def from_scale(cls, scale: float) -> EssLrResult:
+        """Wrap a bare scale chosen by the caller; rho and ESS are unknown (NaN)."""
+        scale = float(scale)
+        if not (0.0 < scale <= 1.0):
+            raise ValueError(f"LR scale {scale!r} must be in (0, 1]")
+        return cls(scale=scale, rho=math.nan, ess=math.nan, num_trajectories=0, status="manual")
+
+    def metrics(self) -> dict[str, float]:
+        """Metrics for the host framework's train-step logging (keys without ``train/``)."""
+        return {
+            "lr_scale": self.scale,
+            "rho_ess": self.rho,
+            "ess": self.ess,
+            "ess_num_trajectories": float(self.num_trajectories),
+            "ess_num_nonfinite": float(self.num_nonfinite),
+        }

@@ -1,0 +1,284 @@
+"""The single-process ESS estimator against hand-computed values and a float64 reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import reference_ess
+
+from ess_patch import EssLrConfig, NonFiniteLogProbError, compute_ess_lr
+
+MODES = ("geometric", "product")
+
+
+def _batch(log_ratios, mask=None):
+    """One token per trajectory with train - rollout = the given log-ratio."""
+    lp = [torch.tensor([float(x)], dtype=torch.float64) for x in log_ratios]
+    rlp = [torch.zeros(1, dtype=torch.float64) for _ in log_ratios]
+    masks = [torch.ones(1) for _ in log_ratios] if mask is None else mask
+    return lp, rlp, masks
+
+
+def _random_batch(gen, n, *, scale=0.3, max_len=40, empty_every=0, dtype=torch.float32):
+    lp, rlp, masks = [], [], []
+    for i in range(n):
+        length = int(torch.randint(1, max_len, (1,), generator=gen))
+        base = -torch.rand(length, generator=gen, dtype=torch.float64) * 3
+        lp.append(
+            (base + torch.randn(length, generator=gen, dtype=torch.float64) * scale).to(dtype)
+        )
+        rlp.append(base.to(dtype))
+        mask = (torch.rand(length, generator=gen) > 0.3).to(torch.int64)
+        if empty_every and i % empty_every == 0:
+            mask.zero_()
+        masks.append(mask)
+    return lp, rlp, masks
+
+
+# --- the seed's reference values -------------------------------------------------------------
+
+
+def test_equal_weights_give_rho_one_and_scale_one():
+    result = compute_ess_lr(*_batch([0.3] * 8))
+    assert result.rho == 1.0
+    assert result.scale == 1.0
+    assert result.num_trajectories == 8
+    assert result.ess == pytest.approx(8.0, rel=1e-12)
+
+
+def test_weights_one_and_five():
+    result = compute_ess_lr(*_batch([0.0, math.log(5.0)]))
+    assert result.rho == pytest.approx(36 / 52, rel=1e-12)
+    assert result.ess == pytest.approx(36 / 26, rel=1e-12)
+    assert result.scale == pytest.approx(math.sqrt(36 / 52), rel=1e-12)
+    assert result.scale == pytest.approx(0.832, abs=5e-4)
+
+
+def test_linear_rule_and_base_ratio():
+    batch = _batch([0.0, math.log(5.0)])
+    linear = compute_ess_lr(*batch, config=EssLrConfig(rule="linear"))
+    assert linear.scale == pytest.approx(36 / 52, rel=1e-12)
+    based = compute_ess_lr(*batch, config=EssLrConfig(base_ratio=0.8))
+    assert based.scale == pytest.approx(math.sqrt((36 / 52) / 0.8), rel=1e-12)
+    capped = compute_ess_lr(*batch, config=EssLrConfig(base_ratio=0.5))
+    assert capped.scale == 1.0  # rho / base_ratio > 1 is capped: never raises the LR
+
+
+def test_collapse_clamps_to_floor():
+    # one trajectory dominates: rho ~ 1/1000, sqrt(rho) ~ 0.03, far below the floor
+    result = compute_ess_lr(*_batch([0.0] * 999 + [40.0]))
+    assert result.rho == pytest.approx(1 / 1000, rel=1e-9)
+    assert result.scale == 0.1
+    assert compute_ess_lr(*_batch([0.0] * 999 + [40.0]), config=EssLrConfig(floor=0.3)).scale == 0.3
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.floats(-30, 30, allow_nan=False), min_size=1, max_size=40),
+    st.sampled_from(MODES),
+    st.sampled_from(("sqrt", "linear")),
+)
+def test_properties_rho_bounds_and_scale_at_most_one(ratios, mode, rule):
+    config = EssLrConfig(weight_mode=mode, rule=rule, floor=0.05)
+    result = compute_ess_lr(*_batch(ratios), config=config)
+    n = len(ratios)
+    assert 1 / n - 1e-12 <= result.rho <= 1.0
+    assert 0.05 <= result.scale <= 1.0
+    ref = reference_ess(*_batch(ratios), mode=mode, rule=rule, floor=0.05, shift=True)
+    assert result.rho == pytest.approx(ref["rho"], rel=1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.floats(-50, 50), st.sampled_from(MODES))
+def test_invariant_to_permutation_and_common_shift(seed, shift, mode):
+    gen = torch.Generator().manual_seed(seed)
+    lp, rlp, masks = _random_batch(gen, 12, dtype=torch.float64)
+    config = EssLrConfig(weight_mode=mode)
+    base = compute_ess_lr(lp, rlp, masks, config=config)
+    perm = torch.randperm(12, generator=gen).tolist()
+    permuted = compute_ess_lr(
+        [lp[i] for i in perm], [rlp[i] for i in perm], [masks[i] for i in perm], config=config
+    )
+    assert permuted.rho == pytest.approx(base.rho, rel=1e-9)
+    if mode == "geometric":
+        # adding c to every token's log-ratio multiplies every weight by exp(c)
+        shifted = compute_ess_lr([x + shift for x in lp], rlp, masks, config=config)
+        assert shifted.rho == pytest.approx(base.rho, rel=1e-9)
+    else:
+        # product mode: add c to one masked token of every trajectory (weights times exp(c))
+        bumped = []
+        for x, m in zip(lp, masks, strict=True):
+            y = x.clone()
+            idx = torch.nonzero(m)
+            if len(idx):
+                y[idx[0, 0]] += shift
+            bumped.append(y)
+        shifted = compute_ess_lr(bumped, rlp, masks, config=config)
+        assert shifted.rho == pytest.approx(base.rho, rel=1e-9)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(2, 5))
+def test_geometric_invariant_to_repeating_tokens(seed, times):
+    gen = torch.Generator().manual_seed(seed)
+    lp, rlp, masks = _random_batch(gen, 10, dtype=torch.float64)
+    base = compute_ess_lr(lp, rlp, masks)
+    rep = compute_ess_lr(
+        [x.repeat(times) for x in lp],
+        [x.repeat(times) for x in rlp],
+        [m.repeat(times) for m in masks],
+    )
+    assert rep.rho == pytest.approx(base.rho, rel=1e-9)
+    assert rep.scale == pytest.approx(base.scale, rel=1e-9)
+
+
+# --- agreement with an independent float64 computation ----------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("seed", range(6))
+def test_agrees_with_float64_reference(mode, seed):
+    gen = torch.Generator().manual_seed(seed)
+    lp, rlp, masks = _random_batch(gen, 64, scale=0.05 if mode == "product" else 0.5, empty_every=7)
+    result = compute_ess_lr(lp, rlp, masks, config=EssLrConfig(weight_mode=mode, floor=0.01))
+    ref = reference_ess(lp, rlp, masks, mode=mode, floor=0.01)
+    assert result.num_trajectories == ref["num_trajectories"]
+    assert result.num_empty == 64 - ref["num_trajectories"]
+    assert result.rho == pytest.approx(ref["rho"], rel=1e-6)
+    assert result.ess == pytest.approx(ref["ess"], rel=1e-6)
+    assert result.scale == pytest.approx(ref["scale"], rel=1e-6)
+
+
+def test_product_mode_stays_finite_where_naive_exp_overflows():
+    gen = torch.Generator().manual_seed(0)
+    n, length = 16, 4000
+    # log-ratios of about +-2 per token over 4000 tokens: sums of several thousand,
+    # exp() of which overflows float64 (limit ~709).
+    lp = [torch.randn(length, generator=gen, dtype=torch.float64) * 2 + 1 for _ in range(n)]
+    rlp = [torch.zeros(length, dtype=torch.float64) for _ in range(n)]
+    masks = [torch.ones(length) for _ in range(n)]
+    with pytest.raises(OverflowError):
+        reference_ess(lp, rlp, masks, mode="product")
+    result = compute_ess_lr(lp, rlp, masks, config=EssLrConfig(weight_mode="product"))
+    ref = reference_ess(lp, rlp, masks, mode="product", shift=True)
+    assert math.isfinite(result.rho) and math.isfinite(result.ess)
+    assert result.rho == pytest.approx(ref["rho"], rel=1e-9)
+    assert 1 / n <= result.rho <= 1
+
+
+def test_bf16_inputs_accumulate_in_float64():
+    gen = torch.Generator().manual_seed(3)
+    lp, rlp, masks = _random_batch(gen, 32, max_len=300, dtype=torch.bfloat16)
+    result = compute_ess_lr(lp, rlp, masks)
+    # the reference sees exactly the bf16 values, widened
+    ref = reference_ess([x.double() for x in lp], [x.double() for x in rlp], masks)
+    assert result.rho == pytest.approx(ref["rho"], rel=1e-9)
+
+
+# --- masks, empty trajectories, no-op -------------------------------------------------------
+
+
+def test_masked_tokens_are_ignored_even_if_nonfinite():
+    lp = [torch.tensor([0.0, float("nan"), 100.0]), torch.tensor([0.5, float("inf")])]
+    rlp = [torch.zeros(3), torch.zeros(2)]
+    masks = [torch.tensor([1, 0, 0]), torch.tensor([True, False])]
+    result = compute_ess_lr(lp, rlp, masks)
+    expected = reference_ess(*_batch([0.0, 0.5]))
+    assert result.rho == pytest.approx(expected["rho"], rel=1e-12)
+    assert result.num_nonfinite == 0
+
+
+def test_empty_trajectories_are_left_out_of_sums_and_of_b():
+    lp, rlp, _ = _batch([0.0, math.log(5.0), 3.0])
+    masks = [torch.ones(1), torch.ones(1), torch.zeros(1)]
+    result = compute_ess_lr(lp, rlp, masks)
+    assert result.num_trajectories == 2
+    assert result.num_empty == 1
+    assert result.rho == pytest.approx(36 / 52, rel=1e-12)
+    zero_length = compute_ess_lr(
+        lp + [torch.zeros(0)], rlp + [torch.zeros(0)], masks + [torch.zeros(0)]
+    )
+    assert zero_length.rho == result.rho and zero_length.num_empty == 2
+
+
+def test_no_valid_trajectory_is_the_documented_noop():
+    for lp, rlp, masks in ([[], [], []], _batch([1.0, 2.0], mask=[torch.zeros(1)] * 2)):
+        result = compute_ess_lr(lp, rlp, masks)
+        assert (result.scale, result.rho, result.num_trajectories) == (1.0, 1.0, 0)
+        assert result.status == "no_valid"
+        assert result.metrics()["lr_scale"] == 1.0
+
+
+def test_missing_inputs_give_noop():
+    result = compute_ess_lr(None, None, [torch.ones(2)])
+    assert (result.scale, result.status) == (1.0, "missing")
+
+
+# --- non-finite policy ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_raise_names_the_sample(bad):
+    lp, rlp, masks = _batch([0.0, 0.1, 0.2])
+    lp[2] = torch.tensor([bad], dtype=torch.float64)
+    with pytest.raises(NonFiniteLogProbError, match=r"sample index 2 on rank 0"):
+        compute_ess_lr(lp, rlp, masks)
+
+
+def test_nonfinite_floor_fails_closed():
+    lp, rlp, masks = _batch([0.0, 0.1, 0.2])
+    rlp[1] = torch.tensor([float("nan")], dtype=torch.float64)
+    result = compute_ess_lr(lp, rlp, masks, config=EssLrConfig(nonfinite="floor", floor=0.25))
+    assert result.scale == 0.25
+    assert result.status == "nonfinite"
+    assert result.num_nonfinite == 1
+
+
+# --- bad input: a clear error naming the sample -----------------------------------------------
+
+BAD_INPUTS = {
+    "different counts": (lambda b: (b[0], b[1][:-1], b[2]), ValueError, r"2 and 3|3, 2 and 3"),
+    "length mismatch": (
+        lambda b: (b[0], [b[1][0], torch.zeros(5), b[1][2]], b[2]),
+        ValueError,
+        r"sample 1",
+    ),
+    "mask length": (
+        lambda b: (b[0], b[1], [b[2][0], b[2][1], torch.ones(4)]),
+        ValueError,
+        r"sample 2",
+    ),
+    "2-D tensor": (
+        lambda b: ([b[0][0], torch.zeros(1, 1), b[0][2]], b[1], b[2]),
+        ValueError,
+        r"log_probs\[1\] has shape \(1, 1\)",
+    ),
+    "integer log-probs": (
+        lambda b: (b[0], [b[1][0], b[1][1], torch.zeros(1, dtype=torch.long)], b[2]),
+        TypeError,
+        r"rollout_log_probs\[2\].*floating",
+    ),
+    "not a tensor": (lambda b: ([0.1, *b[0][1:]], b[1], b[2]), TypeError, r"log_probs\[0\]"),
+    "a tensor, not a list": (lambda b: (torch.zeros(3), b[1], b[2]), TypeError, r"sequence"),
+    "complex mask": (
+        lambda b: (b[0], b[1], [b[2][0], b[2][1], torch.ones(1, dtype=torch.cfloat)]),
+        TypeError,
+        r"loss_masks\[2\]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_raises_a_clear_error(case):
+    make, exc, pattern = BAD_INPUTS[case]
+    batch = _batch([0.0, 0.1, 0.2])
+    before = [[t.clone() for t in seq] for seq in batch]
+    with pytest.raises(exc, match=pattern):
+        compute_ess_lr(*make(batch))
+    for seq, saved in zip(batch, before, strict=True):
+        for t, s in zip(seq, saved, strict=True):
+            assert torch.equal(t, s)  # inputs untouched
