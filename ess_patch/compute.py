@@ -46,7 +46,7 @@ def compute_ess_lr(
         ValueError / TypeError: inputs that do not line up (names the sample index),
             raised before any collective.
         estimator.NonFiniteLogProbError: a NaN/inf log-ratio with ``nonfinite="raise"``,
-            raised on every rank alike, naming the rank and sample index.
+            raised on every rank alike, naming the data-parallel rank and the sample index.
     """
     config = EssLrConfig() if config is None else config
     missing = log_probs is None or rollout_log_probs is None
@@ -57,8 +57,9 @@ def compute_ess_lr(
             raise ValueError("loss_masks is None but log-probs were given; pass the masks too")
         stats = estimator.trajectory_stats(log_probs, rollout_log_probs, loss_masks)
     stats, any_missing = all_reduce_trajectory_stats(stats, missing, cp_group)
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    summary = estimator.summarize(stats, config, rank=rank, missing=any_missing)
+    # The data-parallel rank names the culprit identically on every CP peer of the batch.
+    dp_rank = dist.get_rank(dp_group) if group_size(dp_group) > 1 else 0
+    summary = estimator.summarize(stats, config, rank=dp_rank, missing=any_missing)
     summary = estimator.combine(all_gather_summaries(summary, dp_group))
     return estimator.finalize(summary, config)
 

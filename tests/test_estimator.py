@@ -225,7 +225,7 @@ def test_missing_inputs_give_noop():
 def test_nonfinite_raise_names_the_sample(bad):
     lp, rlp, masks = _batch([0.0, 0.1, 0.2])
     lp[2] = torch.tensor([bad], dtype=torch.float64)
-    with pytest.raises(NonFiniteLogProbError, match=r"sample index 2 on rank 0"):
+    with pytest.raises(NonFiniteLogProbError, match=r"sample index 2 of data-parallel rank 0"):
         compute_ess_lr(lp, rlp, masks)
 
 
