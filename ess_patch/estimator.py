@@ -209,8 +209,8 @@ def finalize(summary: torch.Tensor, config: EssLrConfig) -> EssLrResult:
             raise NonFiniteLogProbError(
                 f"non-finite train/rollout log-prob ratio in {n_bad} trajectory(ies); first: "
                 f"sample index {int(s[_BAD_INDEX])} of data-parallel rank {int(s[_RANK])}. "
-                "Check the log-probs fed to ESS-LR, or set nonfinite='floor' (--ess-lr-nonfinite floor) "
-                "to train those steps at the floor LR instead"
+                "Check the log-probs fed to ESS-LR, or set nonfinite='floor' "
+                "(--ess-lr-nonfinite floor) to train those steps at the floor LR instead"
             )
         return EssLrResult(
             scale=config.floor,
