@@ -11,10 +11,13 @@ Public surface (see README.md)::
 
 from __future__ import annotations
 
+from .attach import attach, detach
 from .compute import compute_ess_lr
 from .config import EssLrConfig
 from .estimator import NonFiniteLogProbError
+from .install import install, installed_targets, is_installed, uninstall
 from .lr import scaled_lr
+from .patching import MissingTargetError
 from .reduction import broadcast_from_last_stage
 from .result import EssLrResult
 from .state import arm, armed, disarm, exclude, set_role
@@ -24,14 +27,21 @@ __version__ = "0.1.0"
 __all__ = [
     "EssLrConfig",
     "EssLrResult",
+    "MissingTargetError",
     "NonFiniteLogProbError",
     "__version__",
     "arm",
     "armed",
+    "attach",
     "broadcast_from_last_stage",
     "compute_ess_lr",
+    "detach",
     "disarm",
     "exclude",
+    "install",
+    "installed_targets",
+    "is_installed",
     "scaled_lr",
     "set_role",
+    "uninstall",
 ]

@@ -29,8 +29,9 @@ class _EssState:
     armed: EssLrResult | None = None
     role: str = "policy"
     excluded: weakref.WeakSet = field(default_factory=weakref.WeakSet)
-    # install bookkeeping, owned by ess_patch.install
-    installed: dict[str, Any] = field(default_factory=dict)
+    # install bookkeeping, owned by ess_patch.install: integration name -> its patches;
+    # None when not installed. Post-import hooks cannot be unregistered: remember them.
+    installed: dict[str, list[Any]] | None = None
     hooks_registered: set[str] = field(default_factory=set)
     config: Any = None
     local: threading.local = field(default_factory=threading.local)

@@ -1,0 +1,159 @@
+"""install() / uninstall(): the one lifecycle for every integration.
+
+Modelled on OpenTelemetry's instrumentor: the public calls and the "already installed?"
+flag live here, once; an integration only lists its targets. Targets are wrapped with
+wrapt by dotted path, at once when their module is already imported and otherwise from a
+post-import hook, so import order does not matter.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import sys
+from collections.abc import Iterable
+from types import ModuleType
+
+import wrapt
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from .config import EssLrConfig
+from .integrations import Integration
+from .integrations.megatron import MEGATRON
+from .patching import apply, revert
+from .state import STATE, disarm
+
+__all__ = ["INTEGRATIONS", "install", "installed_targets", "is_installed", "uninstall"]
+
+logger = logging.getLogger(__name__)
+
+INTEGRATIONS: dict[str, Integration] = {MEGATRON.name: MEGATRON}
+
+#: Comma-separated integration names, read when ``install(integrations=None)``.
+ENV_INTEGRATIONS = "ESS_PATCH_INTEGRATIONS"
+
+
+def install(
+    integrations: Iterable[str] | str | None = None,
+    *,
+    config: EssLrConfig | None = None,
+) -> None:
+    """Patch the host libraries so that optimizer steps use the armed ESS scale.
+
+    Args:
+        integrations: names from :data:`INTEGRATIONS` (default: ``$ESS_PATCH_INTEGRATIONS``
+            or all of them). A library not imported yet is patched when it is imported.
+        config: the estimator settings the framework hooks use (default: from the
+            ``ESS_LR_*`` environment variables, else the defaults).
+
+    A second call warns and changes nothing. Nothing is scaled until a result is armed.
+
+    Raises:
+        ValueError: an unknown integration name (the message lists the valid ones).
+        MissingTargetError: a required symbol is missing in an imported library (names the
+            symbol and the supported versions); nothing stays patched.
+    """
+    if STATE.installed is not None:
+        logger.warning(
+            "ess-patch is already installed (%s); call uninstall() first to change "
+            "what is installed",
+            ", ".join(STATE.installed),
+        )
+        return
+    names = _select(integrations)
+    STATE.config = config if config is not None else EssLrConfig.from_env()
+    STATE.installed = {name: [] for name in names}
+    try:
+        for name in names:
+            _check_version(INTEGRATIONS[name])
+            for module in INTEGRATIONS[name].modules:
+                if module in sys.modules:
+                    _on_import(sys.modules[module])
+                elif module not in STATE.hooks_registered:
+                    STATE.hooks_registered.add(module)
+                    wrapt.register_post_import_hook(_on_import, module)
+    except BaseException:
+        uninstall()
+        raise
+    logger.info("ess-patch installed: %s", ", ".join(names))
+
+
+def uninstall() -> None:
+    """Put every patched attribute back exactly (identity) and disarm. Safe to call twice."""
+    if STATE.installed is None:
+        logger.warning("ess-patch is not installed; nothing to uninstall")
+        return
+    for patches in STATE.installed.values():
+        for patch in reversed(patches):
+            revert(patch)
+    STATE.installed = None
+    STATE.config = None
+    disarm()
+    logger.info("ess-patch uninstalled")
+
+
+def is_installed() -> bool:
+    """Whether ``install()`` is in effect in this process."""
+    return STATE.installed is not None
+
+
+def installed_targets() -> list[str]:
+    """Dotted paths of the attributes wrapped so far (grows as libraries get imported)."""
+    if STATE.installed is None:
+        return []
+    return [p.target.path for patches in STATE.installed.values() for p in patches]
+
+
+def _select(integrations: Iterable[str] | str | None) -> list[str]:
+    if integrations is None:
+        integrations = os.environ.get(ENV_INTEGRATIONS) or list(INTEGRATIONS)
+    if isinstance(integrations, str):
+        integrations = [part.strip() for part in integrations.split(",") if part.strip()]
+    names = list(dict.fromkeys(integrations))
+    unknown = [n for n in names if n not in INTEGRATIONS]
+    if unknown:
+        raise ValueError(
+            f"unknown ess-patch integration(s) {', '.join(map(repr, unknown))}; "
+            f"valid: {', '.join(INTEGRATIONS)}"
+        )
+    return names
+
+
+def _check_version(integration: Integration) -> None:
+    """Compare the installed distribution with ``supported`` from metadata, not by import."""
+    try:
+        raw = importlib.metadata.version(integration.distribution)
+    except importlib.metadata.PackageNotFoundError:
+        logger.info(
+            "ess-patch: no %s distribution installed (a vendored tree?); its symbols are "
+            "checked when it is imported",
+            integration.distribution,
+        )
+        return
+    try:
+        ok = Version(raw) in SpecifierSet(integration.supported, prereleases=True)
+    except InvalidVersion:
+        ok = False
+    if not ok:
+        logger.warning(
+            "ess-patch: %s %s is outside the supported range %s; patching it anyway, "
+            "and a missing symbol will raise",
+            integration.distribution,
+            raw,
+            integration.supported,
+        )
+
+
+def _on_import(module: ModuleType) -> None:
+    """Wrap the targets in ``module`` for every installed integration (idempotent)."""
+    if STATE.installed is None:  # hook left over from an uninstalled install
+        return
+    for name, patches in STATE.installed.items():
+        integration = INTEGRATIONS[name]
+        for target in integration.targets:
+            if target.module == module.__name__:
+                patch = apply(target, f"{integration.distribution} {integration.supported}")
+                if patch is not None:
+                    patches.append(patch)

@@ -1,0 +1,54 @@
+"""megatron-core optimizers: wrap every class that defines ``step`` / ``step_with_ready_grads``.
+
+megatron-core 0.16.1 facts this relies on:
+- ``step`` is defined on MixedPrecisionOptimizer (Float16OptimizerWithFloat16Params and
+  DistributedOptimizer inherit it), FP32Optimizer and ChainedOptimizer; the update itself
+  happens in ``step_with_ready_grads``, which DistributedOptimizer overrides (calling
+  ``super()``) and ChainedOptimizer calls on each child (never the child's ``step``).
+- LayerWiseDistributedOptimizer (a ChainedOptimizer) overrides ``step`` and calls ``super()``.
+- ChainedOptimizer.param_groups is a fresh list of the children's shared dicts.
+A skipped step returns ``(False, None, None)`` before any update; the LR context restores
+the LRs in every case, before the caller's scheduler runs.
+"""
+
+from __future__ import annotations
+
+from ..patching import Target
+from . import Integration
+from .optimizer_step import step_wrapper
+
+_OPT = "megatron.core.optimizer.optimizer"
+_DIST = "megatron.core.optimizer.distrib_optimizer"
+_LAYER = "megatron.core.optimizer.layer_wise_optimizer"
+_METHODS = ("step", "step_with_ready_grads")
+
+
+def _targets() -> tuple[Target, ...]:
+    required = {
+        ("MixedPrecisionOptimizer", "step"),
+        ("FP32Optimizer", "step"),
+        ("ChainedOptimizer", "step"),
+        ("MixedPrecisionOptimizer", "step_with_ready_grads"),
+        ("FP32Optimizer", "step_with_ready_grads"),
+    }
+    classes = [
+        (_OPT, "MixedPrecisionOptimizer"),
+        (_OPT, "Float16OptimizerWithFloat16Params"),
+        (_OPT, "FP32Optimizer"),
+        (_OPT, "ChainedOptimizer"),
+        (_DIST, "DistributedOptimizer"),
+        (_LAYER, "LayerWiseDistributedOptimizer"),
+    ]
+    return tuple(
+        Target(module, owner, method, step_wrapper, required=(owner, method) in required)
+        for module, owner in classes
+        for method in _METHODS
+    )
+
+
+MEGATRON = Integration(
+    name="megatron",
+    distribution="megatron-core",
+    supported=">=0.14,<0.20",
+    targets=_targets(),
+)

@@ -1,0 +1,108 @@
+"""Wrap and unwrap attributes by dotted path with wrapt, keeping a record of each patch.
+
+One :class:`Target` names one attribute (``module``, ``owner`` class path, ``attribute``)
+and the wrapper to put around it. :func:`apply` wraps it once (never twice) and returns a
+:class:`Patch` that :func:`revert` uses to put the exact original object back.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import wrapt
+
+__all__ = ["MissingTargetError", "Patch", "Target", "apply", "is_ours", "revert"]
+
+logger = logging.getLogger(__name__)
+
+_MARK = "_self_ess_patch_target"
+
+
+class MissingTargetError(ImportError):
+    """A symbol ess-patch must wrap does not exist in the installed version."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One attribute to wrap: ``module.owner.attribute`` (owner "" = a module-level name).
+
+    ``required`` targets must exist and be defined by the owner itself; optional ones
+    (present only in some versions, or inherited) are skipped.
+    """
+
+    module: str
+    owner: str
+    attribute: str
+    wrapper: Callable[..., Any]
+    required: bool = True
+
+    @property
+    def path(self) -> str:
+        return ".".join(p for p in (self.module, self.owner, self.attribute) if p)
+
+
+@dataclass(frozen=True)
+class Patch:
+    target: Target
+    holder: Any  # the class or module whose attribute was replaced
+    original: Any  # exactly what holder.__dict__[attribute] was
+
+
+def _resolve_owner(target: Target) -> Any:
+    holder: Any = sys.modules[target.module]
+    for part in filter(None, target.owner.split(".")):
+        holder = getattr(holder, part)
+    return holder
+
+
+def is_ours(obj: Any) -> bool:
+    """Whether ``obj`` is a wrapper that ess-patch put in place."""
+    return isinstance(obj, wrapt.FunctionWrapper) and getattr(obj, _MARK, None) is not None
+
+
+def apply(target: Target, supported: str) -> Patch | None:
+    """Wrap ``target`` (its module must be imported). Returns None when skipped.
+
+    Raises:
+        MissingTargetError: a required target is missing, naming its path and ``supported``.
+    """
+    try:
+        holder = _resolve_owner(target)
+    except AttributeError:
+        holder = None
+    own = vars(holder) if holder is not None else {}
+    if target.attribute not in own:
+        if target.required:
+            raise MissingTargetError(
+                f"ess-patch cannot find {target.path} (it must be defined there, not inherited). "
+                f"Supported versions: {supported}. Install a supported version, or use "
+                "ess_patch.attach(optimizer) on your optimizer instance instead"
+            )
+        logger.debug("ess-patch: optional target %s not present; skipped", target.path)
+        return None
+    original = own[target.attribute]
+    if is_ours(original):
+        logger.debug("ess-patch: %s is already wrapped; not wrapping twice", target.path)
+        return None
+    wrapper = wrapt.FunctionWrapper(original, target.wrapper)
+    setattr(wrapper, _MARK, target.path)
+    setattr(holder, target.attribute, wrapper)
+    logger.debug("ess-patch: wrapped %s", target.path)
+    return Patch(target=target, holder=holder, original=original)
+
+
+def revert(patch: Patch) -> None:
+    """Put the original back, if our wrapper is still the one in place."""
+    current = vars(patch.holder).get(patch.target.attribute)
+    if not is_ours(current):
+        logger.warning(
+            "ess-patch: %s was replaced by someone else after ess-patch wrapped it; "
+            "leaving it as it is",
+            patch.target.path,
+        )
+        return
+    setattr(patch.holder, patch.target.attribute, patch.original)
