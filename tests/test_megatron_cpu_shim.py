@@ -17,21 +17,12 @@ from megatron_cpu import (
     TinyNet,
     batch,
     build_megatron_optimizer,
-    cpu_shim,
     forward_backward,
     inner_optimizers,
-    megatron_world,
     param_triples,
     snapshot,
     snapshots_equal,
     train_steps,
-)
-
-# Megatron's own noise on these paths (it warns the same way on GPU).
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:full scope is deprecated:UserWarning",
-    "ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning",
-    "ignore:`torch.distributed.* is deprecated:FutureWarning",
 )
 
 F16 = "Float16OptimizerWithFloat16Params"
@@ -51,12 +42,6 @@ EXPECTED_CLASSES = {
 def _optimizer_for(kind: str) -> str:
     # megatron's DistributedOptimizer asserts Adam (distrib_optimizer.py, __init__).
     return "adam" if "dist" in kind else "sgd"
-
-
-@pytest.fixture
-def world(tmp_path):
-    with cpu_shim(), megatron_world(tmp_path):
-        yield
 
 
 def test_kinds_cover_expected_classes():

@@ -24,11 +24,13 @@ def step_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
     local = STATE.local
     if getattr(local, "in_step", False):
         return wrapped(*args, **kwargs)
-    scale = scale_for(instance)
-    if scale is None or scale == 1.0:
-        return wrapped(*args, **kwargs)
+    # The outermost wrapped call decides for the whole step, also when it decides "no":
+    # an excluded ChainedOptimizer's children must not scale themselves either.
     local.in_step = True
     try:
+        scale = scale_for(instance)
+        if scale is None or scale == 1.0:
+            return wrapped(*args, **kwargs)
         with scaled_lr(instance, scale):
             return wrapped(*args, **kwargs)
     finally:

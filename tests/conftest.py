@@ -1,0 +1,30 @@
+"""Shared fixtures: a single-process Megatron world on CPU, and a clean ess-patch state."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def world(tmp_path):
+    """gloo world of one + real megatron parallel_state, with the test-only CPU shim."""
+    pytest.importorskip("megatron.core")
+    from megatron_cpu import cpu_shim, megatron_world
+
+    with cpu_shim(), megatron_world(tmp_path):
+        yield
+
+
+@pytest.fixture
+def clean_ess():
+    """ess-patch uninstalled and disarmed before and after the test."""
+    import ess_patch
+    from ess_patch.state import reset
+
+    if ess_patch.is_installed():
+        ess_patch.uninstall()
+    reset()
+    yield
+    if ess_patch.is_installed():
+        ess_patch.uninstall()
+    reset()
