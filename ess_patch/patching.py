@@ -20,6 +20,9 @@ __all__ = ["MissingTargetError", "Patch", "Target", "apply", "is_ours", "revert"
 logger = logging.getLogger(__name__)
 
 _MARK = "_self_ess_patch_target"
+# Set by ess_patch.vendored on functions that a patches/ diff decorated (kept as a string
+# here so that this layer does not import the integrations).
+_VENDORED_MARK = "__ess_patch_vendored__"
 
 
 class MissingTargetError(ImportError):
@@ -85,6 +88,12 @@ def apply(target: Target, supported: str) -> Patch | None:
         logger.debug("ess-patch: optional target %s not present; skipped", target.path)
         return None
     original = own[target.attribute]
+    if getattr(original, _VENDORED_MARK, False):
+        logger.info(
+            "ess-patch: %s already calls ess-patch (vendored diff from patches/); not wrapping it",
+            target.path,
+        )
+        return None
     if is_ours(original):
         logger.debug("ess-patch: %s is already wrapped; not wrapping twice", target.path)
         return None
