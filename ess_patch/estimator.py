@@ -118,7 +118,7 @@ def trajectory_stats(
     total = sum(lengths)
     lp = torch.cat(list(log_probs)).to(_ACC)
     rlp = torch.cat(list(rollout_log_probs)).to(_ACC)
-    mask = torch.cat([m if m.dtype == torch.bool else m != 0 for m in loss_masks])
+    mask = torch.cat(list(loss_masks)) != 0  # one op whatever B (no per-sample casts)
     segment = torch.repeat_interleave(
         torch.arange(num, device=device),
         torch.tensor(lengths, device=device),

@@ -97,9 +97,11 @@ def apply(target: Target, supported: str) -> Patch | None:
     if is_ours(original):
         logger.debug("ess-patch: %s is already wrapped; not wrapping twice", target.path)
         return None
-    wrapper = wrapt.FunctionWrapper(original, target.wrapper)
+    # Ownership was checked above: wrap_function_wrapper alone would also "wrap" an
+    # inherited method by shadowing it on the subclass, and then scale twice.
+    name = ".".join(p for p in (target.owner, target.attribute) if p)
+    wrapper = wrapt.wrap_function_wrapper(target.module, name, target.wrapper)
     setattr(wrapper, _MARK, target.path)
-    setattr(holder, target.attribute, wrapper)
     logger.debug("ess-patch: wrapped %s", target.path)
     return Patch(target=target, holder=holder, original=original)
 
