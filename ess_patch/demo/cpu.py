@@ -1,0 +1,73 @@
+"""Demo-only: run megatron-core's optimizer and DDP on a CPU-only torch build.
+
+This is *not* part of the ess-patch runtime and is never entered by ``install()``: the demo
+uses it so that ``ess-patch demo`` can drive megatron-core's real classes
+(``get_megatron_optimizer``, ``DistributedDataParallel``, ``OptimizerParamScheduler``) on a
+laptop. Production runs are on GPUs and need nothing of this.
+
+megatron-core (0.14-0.19) hard-codes CUDA in a few places the demo reaches:
+
+* ``device='cuda'`` / ``torch.cuda.current_device()`` when it allocates DDP grad buffers, the
+  optimizers' scalars and the grad-norm accumulators: a ``TorchFunctionMode`` maps any CUDA
+  device argument to the CPU;
+* ``Tensor.type()`` checks (``clip_grad_by_total_norm_fp32`` asserts
+  ``torch.cuda.FloatTensor``): inside the mode, CPU tensors report their CUDA type name;
+* ``torch.cuda.current_device()`` raises on a CPU build: stubbed to return 0.
+
+Everything is restored when the context exits. The mode is per thread: enter it in every
+rank process, around the megatron calls (construction and ``optimizer.step()``). The demo
+runs on the CPU even where a GPU exists (gloo, CPU tensors), so the shim is always entered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["megatron_on_cpu"]
+
+_CUDA_TYPES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    "torch.IntTensor": "torch.cuda.IntTensor",
+}
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":", 1)[0] == "cuda"
+    return isinstance(device, int) and not isinstance(device, bool)  # a CUDA ordinal
+
+
+class _CudaToCpu(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if _is_cuda(a) else a for a in args)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return _CUDA_TYPES.get(name, name)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def megatron_on_cpu() -> Iterator[None]:
+    """Let megatron-core's CUDA-assuming optimizer / DDP code run on the CPU (demo only)."""
+    saved = torch.cuda.current_device
+    torch.cuda.current_device = lambda: 0
+    try:
+        with _CudaToCpu():
+            yield
+    finally:
+        torch.cuda.current_device = saved
