@@ -20,6 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ess-patch {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_demo(subparsers)
+    from .patches_cli import add_parser as add_patches_parser
+
+    add_patches_parser(subparsers)
     return parser
 
 
@@ -140,6 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "demo":
         return _run_demo(args)
+    if args.command == "patches":
+        return args.func(args)
     return 0
 
 

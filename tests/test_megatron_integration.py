@@ -8,6 +8,9 @@ Megatron's DDP grad buffers, with the real OptimizerParamScheduler.
 
 from __future__ import annotations
 
+import importlib
+import os
+
 import pytest
 import torch
 
@@ -33,11 +36,30 @@ SGD_KINDS = [k for k in KINDS if "dist" not in k]  # DistributedOptimizer assert
 SCALE = 0.37
 STEPS = 3
 
+# tests/test_patches.py runs this module in a subprocess against a megatron-core copy patched
+# with patches/megatron-core (first on PYTHONPATH) and ESS_PATCH_TEST_MODE=vendored: then
+# nothing is monkeypatched, and _install() only checks that the diff's call sites are there.
+VENDORED = os.environ.get("ESS_PATCH_TEST_MODE") == "vendored"
+
+
+def _install():
+    if not VENDORED:
+        ess_patch.install("megatron")
+        return
+    from ess_patch.install import INTEGRATIONS
+    from ess_patch.vendored import is_vendored
+
+    for target in INTEGRATIONS["megatron"].targets:
+        owner = getattr(importlib.import_module(target.module), target.owner)
+        method = vars(owner).get(target.attribute)
+        assert method is None or is_vendored(method), f"{target.path} is not patched"
+    assert not ess_patch.is_installed()
+
 
 def _run(kind, *, install=False, scale=None, optimizer="adam", n=STEPS, **kw):
     setup = build_megatron_optimizer(kind, optimizer=optimizer, clip_grad=1.0, **kw)
     if install:
-        ess_patch.install("megatron")
+        _install()
     if scale is not None:
         ess_patch.arm(scale)
     try:
@@ -89,7 +111,7 @@ def test_adam_equals_a_run_with_the_lr_scaled_by_hand(kind):
 @pytest.mark.parametrize("kind", SGD_KINDS)
 def test_sgd_update_is_scaled_exactly_once(kind):
     setup = build_megatron_optimizer(kind, optimizer="sgd")
-    ess_patch.install("megatron")
+    _install()
     ess_patch.arm(SCALE)
     x, y = batch(0, 0)
     forward_backward(setup, x, y)
@@ -122,7 +144,7 @@ def test_every_inner_update_sees_the_scaled_lr_once(monkeypatch):
 
         monkeypatch.setattr(inner, "step", spy)
     scheduled = [g["lr"] for g in setup.optimizer.param_groups]
-    ess_patch.install("megatron")
+    _install()
     ess_patch.arm(0.5)
     x, y = batch(0, 0)
     forward_backward(setup, x, y)
@@ -132,7 +154,7 @@ def test_every_inner_update_sees_the_scaled_lr_once(monkeypatch):
 
 def test_lr_restored_when_the_step_raises(monkeypatch):
     setup = build_megatron_optimizer("multi_fp32", optimizer="sgd")
-    ess_patch.install("megatron")
+    _install()
     ess_patch.arm(0.5)
     x, y = batch(0, 0)
     forward_backward(setup, x, y)
@@ -163,7 +185,7 @@ def test_skipped_step_restores_lr_and_updates_nothing():
     # a ConstantGradScaler makes megatron check for inf/nan and return (False, None, None)
     setup = build_megatron_optimizer("bf16", optimizer="adam", loss_scale=1.0)
     plain = build_megatron_optimizer("bf16", optimizer="adam", loss_scale=1.0)
-    ess_patch.install("megatron")
+    _install()
     ess_patch.arm(0.5)
     before = snapshot(setup)
     records = train_steps(setup, 2, poison_steps=(0,))
@@ -178,7 +200,7 @@ def test_skipped_step_restores_lr_and_updates_nothing():
 @pytest.mark.parametrize("kind", ["fp32", "multi_bf16"])
 def test_state_dict_after_a_step_holds_the_unscaled_lr(kind):
     setup = build_megatron_optimizer(kind, optimizer="adam")
-    ess_patch.install("megatron")
+    _install()
     ess_patch.arm(0.25)
     x, y = batch(0, 0)
     forward_backward(setup, x, y)
@@ -199,7 +221,7 @@ def test_critic_role_and_excluded_optimizer_are_never_scaled():
 
     setup = build_megatron_optimizer("fp32", optimizer="sgd", clip_grad=1.0)
     ess_patch.exclude(setup.optimizer)
-    ess_patch.install("megatron")
+    _install()
     ess_patch.arm(0.5)
     train_steps(setup, STEPS)
     assert snapshots_equal(snapshot(setup), plain)
@@ -210,7 +232,7 @@ def test_attach_on_an_existing_megatron_optimizer_without_install():
     setup = build_megatron_optimizer("multi_fp32", optimizer="sgd", clip_grad=1.0)
     ess_patch.attach(setup.optimizer)
     ess_patch.attach(setup.optimizer)  # idempotent
-    ess_patch.install("megatron")  # and together with install(): still exactly once
+    _install()  # and together with install(): still exactly once
     ess_patch.arm(SCALE)
     train_steps(setup, STEPS)
     assert snapshots_equal(snapshot(setup), manual)

@@ -1,0 +1,208 @@
+"""``ess-patch patches``: list, check, apply, revert the ``patches/`` series; compat table.
+
+Wire into the main parser with ``add_parser(subparsers)``; the sub-parser sets
+``func=run``. Also runs alone: ``python -m ess_patch.patches_cli check --target DIR``.
+
+Exit status: 0 done (or nothing to do); 1 refused (unknown or dirty tree, conflict);
+2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from . import patchset
+from .patchset import PatchsetError, State
+
+__all__ = ["add_parser", "main", "run"]
+
+_EPILOG = """\
+examples:
+  ess-patch patches list
+  ess-patch patches check  --target /path/to/Megatron-LM
+  ess-patch patches apply  --target /path/to/Megatron-LM
+  ess-patch patches revert --target /path/to/site-packages --component megatron-core
+  ess-patch patches compat > table.md
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``patches`` (with list/check/apply/revert/compat) to ``subparsers``."""
+    parser = subparsers.add_parser(
+        "patches",
+        help="git-diff series for vendored Megatron (and miles/slime) trees",
+        description="Apply ess-patch's call sites to a vendored source tree as reviewed "
+        "diffs instead of install()'s monkeypatches (the same code runs either way).",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _fill(parser)
+    return parser
+
+
+def _fill(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="patches_command", metavar="ACTION", required=True)
+
+    def target_args(p: argparse.ArgumentParser, required: bool) -> None:
+        p.add_argument(
+            "--target",
+            type=Path,
+            required=required,
+            help="tree root: a Megatron-LM checkout, an unpacked megatron-core, a site-packages "
+            "folder (the folder holding megatron/core), or a miles / slime checkout",
+        )
+        p.add_argument("--component", choices=sorted(patchset.DETECTORS), help="skip detection")
+        p.add_argument(
+            "--version",
+            dest="series_version",
+            metavar="VERSION",
+            help="use patches/<component>/VERSION (default: chosen from the tree's version)",
+        )
+
+    p = actions.add_parser("list", help="list the shipped series (with --target: their status)")
+    target_args(p, required=False)
+    for name, text in (
+        ("check", "report each patch: applicable, already applied, or conflicting"),
+        ("apply", "apply the whole series, or nothing"),
+        ("revert", "revert the whole series, or nothing"),
+    ):
+        p = actions.add_parser(name, help=text)
+        target_args(p, required=True)
+        if name != "check":
+            p.add_argument(
+                "--allow-dirty",
+                action="store_true",
+                help="write even if the touched files have uncommitted git changes",
+            )
+    p = actions.add_parser(
+        "compat",
+        help="megatron-core releases vs the series and install()'s symbols (markdown table)",
+    )
+    p.add_argument(
+        "--versions", nargs="+", help="default: every final release >= 0.14 on the index"
+    )
+    p.add_argument(
+        "--cache",
+        type=Path,
+        default=Path.home() / ".cache" / "ess-patch" / "wheels",
+        help="where downloaded wheels are kept (default: %(default)s)",
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Handler for ``ess-patch patches ...``; returns the exit status."""
+    try:
+        if args.patches_command == "list":
+            return _list(args)
+        if args.patches_command == "compat":
+            return _compat(args)
+        return _act(args)
+    except PatchsetError as err:
+        print(f"ess-patch patches {args.patches_command}: {err}", file=sys.stderr)
+        return 1
+
+
+def _print_statuses(statuses: list[patchset.PatchStatus]) -> None:
+    width = max(len(s.patch.name) for s in statuses)
+    for s in statuses:
+        print(f"  {s.patch.name:<{width}}  {s.describe()}")
+
+
+def _describe_tree(tree: patchset.Tree) -> str:
+    version = tree.version or "version unknown"
+    return f"{tree.root} ({tree.component} {version}, from {tree.evidence})"
+
+
+def _list(args: argparse.Namespace) -> int:
+    if args.target is None:
+        print(f"series in {patchset.patches_dir()}:")
+        for series in patchset.discover(args.component):
+            print(f"  {series.name}: {len(series.patches)} patch(es), touches")
+            for path in series.files():
+                print(f"      {path}")
+        return 0
+    tree = patchset.detect(args.target, args.component)
+    print(f"target: {_describe_tree(tree)}")
+    for series in patchset.discover(tree.component):
+        print(f"series {series.name}:")
+        _print_statuses(patchset.check_series(series, tree.root))
+    return 0
+
+
+def _act(args: argparse.Namespace) -> int:
+    tree = patchset.detect(args.target, args.component)
+    series, statuses = patchset.select_series(tree, args.series_version)
+    print(f"target: {_describe_tree(tree)}")
+    print(f"series: {series.name} ({series.directory})")
+    _print_statuses(statuses)
+    states = {s.state for s in statuses}
+    conflicting = State.CONFLICTING in states
+    gaps = [] if conflicting else patchset.series_gaps(series, tree.root)
+    for gap in gaps:
+        print(f"  gap with install(): {gap}")
+    if gaps and args.patches_command == "apply" and args.series_version is None:
+        print(
+            f"result: refused: {series.name} applies but is not the exact twin of install() "
+            f"here; pass --version {series.version} to apply it anyway",
+            file=sys.stderr,
+        )
+        return 1
+    if args.patches_command == "check":
+        if conflicting:
+            files = ", ".join(dict.fromkeys(f for s in statuses for f in s.files))
+            print(f"result: conflicting ({files}); apply would change nothing")
+            return 1
+        if states == {State.APPLIED}:
+            print("result: already applied")
+        elif states == {State.APPLICABLE}:
+            print("result: applicable")
+        else:
+            print("result: partly applied; apply would add the rest")
+        return 0
+    allow_dirty = args.allow_dirty
+    if args.patches_command == "apply":
+        before = patchset.apply_series(series, tree.root, allow_dirty=allow_dirty)
+        done = [s for s in before if s.state is State.APPLICABLE]
+        print(f"result: applied {len(done)} patch(es)" if done else "result: already applied")
+    else:
+        before = patchset.revert_series(series, tree.root, allow_dirty=allow_dirty)
+        done = [s for s in before if s.state is State.APPLIED]
+        print(f"result: reverted {len(done)} patch(es)" if done else "result: not applied")
+    return 0
+
+
+def _compat(args: argparse.Namespace) -> int:
+    from .patches_compat import compat_rows, markdown
+
+    command = "ess-patch patches compat" + (
+        f" --versions {' '.join(args.versions)}" if args.versions else ""
+    )
+    try:
+        _, rows = compat_rows(
+            args.versions, args.cache, progress=lambda m: print(m, file=sys.stderr)
+        )
+    except RuntimeError as err:
+        print(f"ess-patch patches compat: {err}", file=sys.stderr)
+        return 1
+    print(markdown(rows, command=command), end="")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m ess_patch.patches_cli ACTION ...`` (the same as ``ess-patch patches``)."""
+    parser = argparse.ArgumentParser(
+        prog="ess-patch patches",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _fill(parser)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Import-time stub package (tests/frameworks/stubs/README.md)."""

@@ -1,0 +1,7 @@
+"""Import-time stub (P2P weight transfer), imported by miles'
+backends/megatron_utils/update_weight/update_weight_from_distributed/p2p.py."""
+
+from _import_stub import stub_class
+
+ParallelismContext = stub_class(__name__, "ParallelismContext")
+RankParallelismConfig = stub_class(__name__, "RankParallelismConfig")

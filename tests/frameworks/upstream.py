@@ -1,0 +1,255 @@
+"""Find and import the real miles / slime code from the upstream snapshots (test-only helpers).
+
+The snapshots are located through environment variables that ``.ci/run`` and ``tox.ini`` set:
+
+- ``MILES_SRC``: a folder holding ``miles/`` (and ``miles_plugins/``),
+- ``SLIME_SRC``: a folder holding ``slime/``,
+- ``MEGATRON_LM_SRC``: a folder holding ``megatron/training`` (what the megatron-core wheel
+  lacks; needed only by the "full" tier).
+
+Two tiers of third-party dependencies (see ``requirements-loss.txt`` / ``requirements-full.txt``
+and NOTES.md):
+
+- ``"loss"``: the advantage / loss modules (``miles.backends.training_utils.loss``,
+  ``slime.backends.megatron_utils.loss``).
+- ``"full"``: the argument parsers, ``megatron_utils.model`` / ``.actor`` and
+  ``fsdp_utils.actor``; also needs ``megatron.training`` and, where sglang / mooncake are not
+  installed, the import-time stubs in ``stubs/``.
+
+Usage from a test module::
+
+    from upstream import import_upstream, skip_reason
+
+    MILES = skip_reason("miles", "loss")
+
+    @pytest.mark.skipif(MILES is not None, reason=MILES or "")
+    def test_x():
+        loss = import_upstream("miles.backends.training_utils.loss")
+
+``skip_reason`` returns ``None`` when the tier is usable (and has put the snapshot folders on
+``sys.path``), else a one-line reason naming the missing environment variable or package.
+Nothing heavy is imported to decide: packages are looked up with ``importlib.util.find_spec``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import io
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+__all__ = [
+    "ENV_VARS",
+    "STUBS_DIR",
+    "TIER_PACKAGES",
+    "import_upstream",
+    "miles_parallel_state",
+    "parse_upstream_args",
+    "skip_reason",
+]
+
+ENV_VARS = {"miles": "MILES_SRC", "slime": "SLIME_SRC", "megatron": "MEGATRON_LM_SRC"}
+_PACKAGE_DIR = {"miles": "miles", "slime": "slime", "megatron": "megatron/training"}
+
+STUBS_DIR = Path(__file__).resolve().parent / "stubs"
+
+# Top-level import names each tier needs (pip names in the requirements files).
+TIER_PACKAGES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("miles", "loss"): ("megatron.core", "ray", "yaml", "httpx", "h2", "pydantic"),
+    ("slime", "loss"): ("megatron.core", "yaml", "httpx"),
+}
+_FULL_EXTRA = (
+    "triton",
+    "transformers",
+    "sglang_router",
+    "torch_memory_saver",
+    "polars",
+    "six",
+    "psutil",
+)
+TIER_PACKAGES[("miles", "full")] = (*TIER_PACKAGES[("miles", "loss")], *_FULL_EXTRA)
+TIER_PACKAGES[("slime", "full")] = (
+    *TIER_PACKAGES[("miles", "loss")],
+    *_FULL_EXTRA,
+    "wandb",
+)
+
+_INSTALL_HINT = {
+    "loss": "pip install -r tests/frameworks/requirements-loss.txt",
+    "full": "pip install -r tests/frameworks/requirements-full.txt",
+}
+
+
+def _snapshot_dir(name: str) -> tuple[Path | None, str | None]:
+    var = ENV_VARS[name]
+    value = os.environ.get(var)
+    if not value:
+        return None, f"{var} is not set (it points at the upstream {name} snapshot)"
+    root = Path(value)
+    if not (root / _PACKAGE_DIR[name]).is_dir():
+        return None, f"{var}={value} has no {_PACKAGE_DIR[name]}/ folder"
+    return root, None
+
+
+def _missing_packages(names: Sequence[str]) -> list[str]:
+    missing = []
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def _prepend(path: Path) -> None:
+    entry = str(path)
+    if entry not in sys.path:
+        sys.path.insert(0, entry)
+
+
+def _needs_stubs() -> bool:
+    """Use ``stubs/`` only where the real sglang / mooncake are absent (never shadow them)."""
+    return _missing_packages(["sglang"]) == ["sglang"]
+
+
+def skip_reason(framework: str, tier: str = "loss") -> str | None:
+    """``None`` if ``framework``'s ``tier`` can be imported (paths are then set up), else why not.
+
+    ``framework``: ``"miles"`` or ``"slime"``; ``tier``: ``"loss"`` or ``"full"``.
+    """
+    if (framework, tier) not in TIER_PACKAGES:
+        raise ValueError(f"unknown framework/tier {framework!r}/{tier!r}")
+    roots = []
+    for name in (framework, "megatron") if tier == "full" else (framework,):
+        root, reason = _snapshot_dir(name)
+        if reason:
+            return reason
+        roots.append(root)
+    missing = _missing_packages(TIER_PACKAGES[(framework, tier)])
+    if missing:
+        return (
+            f"the {tier!r} tier of the {framework} tests needs {', '.join(missing)} "
+            f"({_INSTALL_HINT[tier]})"
+        )
+    for root in roots:
+        _prepend(root)
+    if tier == "full" and _needs_stubs():
+        # After the snapshots: a real package of the same name always wins.
+        sys.path.append(str(STUBS_DIR))
+    return None
+
+
+def import_upstream(module: str, tier: str = "loss") -> ModuleType:
+    """Import a real upstream module (``"miles.…"`` / ``"slime.…"``), or skip the calling test."""
+    import pytest
+
+    framework = module.split(".", 1)[0]
+    reason = skip_reason(framework, tier)
+    if reason is not None:
+        pytest.skip(reason)
+    return importlib.import_module(module)
+
+
+@contextlib.contextmanager
+def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+@contextlib.contextmanager
+def _argv(argv: Sequence[str]) -> Iterator[None]:
+    old = sys.argv
+    sys.argv = ["train.py", *argv]
+    try:
+        yield
+    finally:
+        sys.argv = old
+
+
+# The least a parse needs: both frameworks require --rollout-batch-size and one of
+# --num-rollout / --num-epoch.
+MINIMAL_ARGV = ("--rollout-batch-size", "4", "--num-rollout", "1")
+
+
+def parse_upstream_args(
+    framework: str,
+    argv: Sequence[str] = MINIMAL_ARGV,
+    add_custom_arguments: Callable[[Any], Any] | None = None,
+    *,
+    megatron_validate: bool = False,
+    quiet: bool = True,
+) -> Any:
+    """Run the real ``<framework>.utils.arguments.parse_args`` on ``argv``; return the namespace.
+
+    Megatron's own ``validate_args`` (from ``MEGATRON_LM_SRC``) is replaced by a no-op unless
+    ``megatron_validate=True``: the snapshot's ``megatron/training`` comes from the Megatron-LM
+    fork miles runs on, which is newer than the megatron-core 0.16.1 wheel that installs on
+    Python 3.11 (``validate_args`` reads ``args.mtp_hybrid_override_pattern``, a
+    ``TransformerConfig`` field 0.16.1 lacks, then imports ``parse_hybrid_pattern`` which 0.16.1
+    does not have). Everything else (the framework's parser, its ``*_validate_args`` and the
+    sglang validate) runs for real. Bad input raises ``SystemExit`` (argparse, exit code 2).
+    """
+    args_mod = import_upstream(f"{framework}.utils.arguments", tier="full")
+    mega_mod = importlib.import_module(f"{framework}.backends.megatron_utils.arguments")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_argv(argv))
+        if not megatron_validate:
+            stack.enter_context(_patched(mega_mod, "validate_args", lambda args: None))
+        if quiet:
+            stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+        return args_mod.parse_args(add_custom_arguments=add_custom_arguments)
+
+
+def miles_parallel_state(*, set_state: bool = True) -> Any:
+    """Inside a rank: miles' ``ParallelState`` built from the real megatron ``parallel_state``.
+
+    The same fields as miles' own ``create_megatron_parallel_state``
+    (``miles/backends/megatron_utils/parallel.py``), which needs ``megatron.training``'s global
+    args (full tier); this one needs only the loss tier. ``indep_dp`` is the trivial group, as
+    without fault tolerance, so ``effective_dp`` is ``intra_dp`` (DP without CP). With
+    ``set_state`` it is also installed with miles' ``set_parallel_state``.
+    """
+    from megatron.core import parallel_state as mpu
+    from miles.backends.training_utils.parallel import ParallelState, set_parallel_state
+    from miles.utils.ft_utils.process_group_utils import GroupInfo
+
+    def dp(with_cp: bool) -> Any:
+        return GroupInfo(
+            rank=mpu.get_data_parallel_rank(with_context_parallel=with_cp),
+            size=mpu.get_data_parallel_world_size(with_context_parallel=with_cp),
+            group=mpu.get_data_parallel_group(with_context_parallel=with_cp),
+        )
+
+    def info(kind: str) -> Any:
+        return GroupInfo(
+            rank=getattr(mpu, f"get_{kind}_rank")(),
+            size=getattr(mpu, f"get_{kind}_world_size")(),
+            group=getattr(mpu, f"get_{kind}_group")(),
+        )
+
+    state = ParallelState(
+        intra_dp=dp(False),
+        intra_dp_cp=dp(True),
+        cp=info("context_parallel"),
+        tp=info("tensor_model_parallel"),
+        pp=info("pipeline_model_parallel"),
+        ep=info("expert_model_parallel"),
+        etp=info("expert_tensor_parallel"),
+        indep_dp=GroupInfo(rank=0, size=1, group=None),
+        is_pp_last_stage=mpu.is_pipeline_last_stage(),
+    )
+    if set_state:
+        set_parallel_state(state)
+    return state
