@@ -43,25 +43,42 @@ def compute_ess_lr(
     it knows how many trajectories its CP peers reduce.
 
     Raises:
-        ValueError / TypeError: inputs that do not line up (names the sample index),
-            raised before any collective.
+        ValueError / TypeError: inputs that do not line up (names the sample index). In a
+            single process before anything else; with groups, after the collectives (which
+            the rank still enters with an "invalid" flag), and then every rank raises.
         estimator.NonFiniteLogProbError: a NaN/inf log-ratio with ``nonfinite="raise"``,
             raised on every rank alike, naming the data-parallel rank and the sample index.
     """
     config = EssLrConfig() if config is None else config
+    distributed = group_size(cp_group) > 1 or group_size(dp_group) > 1
     missing = log_probs is None or rollout_log_probs is None
-    if missing:
-        stats = _missing_table(log_probs, rollout_log_probs, loss_masks, cp_group)
-    else:
-        if loss_masks is None:
-            raise ValueError("loss_masks is None but log-probs were given; pass the masks too")
-        stats = estimator.trajectory_stats(log_probs, rollout_log_probs, loss_masks)
-    stats, any_missing = all_reduce_trajectory_stats(stats, missing, cp_group)
+    error: Exception | None = None
+    try:
+        if missing:
+            stats = _missing_table(log_probs, rollout_log_probs, loss_masks, cp_group)
+        else:
+            if loss_masks is None:
+                raise ValueError("loss_masks is None but log-probs were given; pass the masks too")
+            stats = estimator.trajectory_stats(log_probs, rollout_log_probs, loss_masks)
+    except (TypeError, ValueError) as exc:
+        if not distributed:
+            raise
+        # Still enter every collective, so that the peers fail with us instead of hanging.
+        error = exc
+        stats = _missing_table(None, None, loss_masks if _is_sequence(loss_masks) else None, None)
+    flags = estimator.Flags(missing=missing, invalid=error is not None)
+    stats, flags = all_reduce_trajectory_stats(stats, flags, cp_group)
     # The data-parallel rank names the culprit identically on every CP peer of the batch.
     dp_rank = dist.get_rank(dp_group) if group_size(dp_group) > 1 else 0
-    summary = estimator.summarize(stats, config, rank=dp_rank, missing=any_missing)
+    summary = estimator.summarize(stats, config, rank=dp_rank, flags=flags)
     summary = estimator.combine(all_gather_summaries(summary, dp_group))
+    if error is not None:
+        raise error
     return estimator.finalize(summary, config)
+
+
+def _is_sequence(value: object) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, torch.Tensor)
 
 
 def _missing_table(

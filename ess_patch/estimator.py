@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -27,6 +28,8 @@ from .result import EssLrResult
 
 __all__ = [
     "SUMMARY_SIZE",
+    "Flags",
+    "InvalidInputsElsewhereError",
     "NonFiniteLogProbError",
     "combine",
     "finalize",
@@ -38,8 +41,20 @@ __all__ = [
 _ACC = torch.float64
 
 # Layout of a per-rank summary vector (float64).
-_MAX, _S1, _S2, _N_VALID, _N_EMPTY, _N_BAD, _BAD_INDEX, _RANK, _MISSING = range(9)
-SUMMARY_SIZE = 9
+_MAX, _S1, _S2, _N_VALID, _N_EMPTY, _N_BAD, _BAD_INDEX, _RANK, _MISSING, _INVALID = range(10)
+SUMMARY_SIZE = 10
+
+
+class Flags(NamedTuple):
+    """Per-rank conditions every rank must learn about: bools, or 0-dim tensors after a
+    reduction (kept on device so that no host synchronisation is needed)."""
+
+    missing: bool | torch.Tensor = False
+    invalid: bool | torch.Tensor = False
+
+
+class InvalidInputsElsewhereError(ValueError):
+    """Another rank's inputs failed validation; that rank raised the detailed error."""
 
 
 class NonFiniteLogProbError(FloatingPointError):
@@ -139,18 +154,20 @@ def summarize(
     config: EssLrConfig,
     *,
     rank: int = 0,
-    missing: bool | torch.Tensor = False,
+    flags: Flags | None = None,
 ) -> torch.Tensor:
     """Reduce this rank's (CP-complete) trajectory table to a summary vector.
 
-    ``missing`` marks missing inputs (a bool, or a 0-dim tensor so that no host sync is
-    needed); the flag travels with the summary so that every rank reaches the same no-op.
+    ``flags`` mark missing or invalid inputs; they travel with the summary so that every
+    rank reaches the same outcome.
     """
+    flags = Flags() if flags is None else flags
     out = torch.zeros(SUMMARY_SIZE, dtype=_ACC, device=stats.device)
     out[_MAX] = -math.inf
     out[_BAD_INDEX] = -1.0
     out[_RANK] = float(rank)
-    out[_MISSING] = missing
+    out[_MISSING] = flags.missing
+    out[_INVALID] = flags.invalid
     total, count, bad = stats[:, 0], stats[:, 1], stats[:, 2]
     is_bad = bad > 0
     m = total / count.clamp_min(1.0) if config.weight_mode == "geometric" else total
@@ -189,7 +206,7 @@ def combine(summaries: torch.Tensor) -> torch.Tensor:
     out[_MAX] = shift
     out[_S1] = (summaries[:, _S1] * factor).sum()
     out[_S2] = (summaries[:, _S2] * factor * factor).sum()
-    for col in (_N_VALID, _N_EMPTY, _N_BAD, _MISSING):
+    for col in (_N_VALID, _N_EMPTY, _N_BAD, _MISSING, _INVALID):
         out[col] = summaries[:, col].sum()
     has_bad = summaries[:, _N_BAD] > 0
     first = torch.argmax(has_bad.to(torch.int8))  # first row with a bad trajectory
@@ -202,6 +219,12 @@ def finalize(summary: torch.Tensor, config: EssLrConfig) -> EssLrResult:
     """Turn a (global) summary into the result; the only host synchronisation."""
     s = summary.tolist()
     n_valid, n_empty, n_bad = int(s[_N_VALID]), int(s[_N_EMPTY]), int(s[_N_BAD])
+    if s[_INVALID] > 0:
+        raise InvalidInputsElsewhereError(
+            f"ESS-LR inputs failed validation on {int(s[_INVALID])} other rank(s); see the "
+            "error raised there (it names the sample). Every rank stops here rather than "
+            "waiting on a collective"
+        )
     if s[_MISSING] > 0:
         return EssLrResult.noop("missing", num_empty=n_empty)
     if n_bad > 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .estimator import Flags
 from .result import STATUSES, EssLrResult
 
 __all__ = [
@@ -42,23 +43,23 @@ def comm_device(group: object) -> torch.device:
 
 
 def all_reduce_trajectory_stats(
-    stats: torch.Tensor, missing: bool, cp_group: object | None
-) -> tuple[torch.Tensor, torch.Tensor | bool]:
+    stats: torch.Tensor, flags: Flags, cp_group: object | None
+) -> tuple[torch.Tensor, Flags]:
     """Sum the per-trajectory ``[sum, count, non-finite]`` table over the CP ranks.
 
-    After this every CP rank holds the table of the full sequences, and the "missing
-    inputs" flag of any CP peer (carried in one extra row of the same all-reduce). No-op
-    for CP size 1.
+    After this every CP rank holds the table of the full sequences, and the flags of every
+    CP peer (carried in one extra row of the same all-reduce). No-op for CP size 1.
     """
     if group_size(cp_group) <= 1:
-        return stats, missing
+        return stats, flags
     device = comm_device(cp_group)
-    flag = torch.zeros((1, stats.shape[1]), dtype=stats.dtype, device=device)
-    flag[0, 0] = float(missing)
-    table = torch.cat([stats.to(device), flag])
+    flag_row = torch.zeros((1, stats.shape[1]), dtype=stats.dtype, device=device)
+    flag_row[0, 0] = float(flags.missing)
+    flag_row[0, 1] = float(flags.invalid)
+    table = torch.cat([stats.to(device), flag_row])
     dist.all_reduce(table, op=dist.ReduceOp.SUM, group=cp_group)
     table = table.to(stats.device)
-    return table[:-1], table[-1, 0] > 0
+    return table[:-1], Flags(missing=table[-1, 0] > 0, invalid=table[-1, 1] > 0)
 
 
 def all_gather_summaries(summary: torch.Tensor, dp_group: object | None) -> torch.Tensor:

@@ -128,6 +128,8 @@ def rank_compute(seed, modes, *, faults=None, floor_policy=False):
         masks[1] = torch.ones_like(masks[1])
     elif fault == "missing":
         lp = rlp = None
+    elif fault == "invalid":
+        rlp[0] = torch.zeros(rlp[0].shape[0] + 3)  # misaligned with its log-probs
     out = {}
     for mode in modes:
         config = EssLrConfig(weight_mode=mode, nonfinite="floor" if floor_policy else "raise")
@@ -140,8 +142,8 @@ def rank_compute(seed, modes, *, faults=None, floor_policy=False):
                     )
                 result = broadcast_from_last_stage(result, lay.pp_group)
                 value = dataclasses.asdict(result)
-            except NonFiniteLogProbError as exc:
-                value = {"error": str(exc)}
+            except (NonFiniteLogProbError, ValueError) as exc:
+                value = {"error": f"{type(exc).__name__}: {exc}"}
         out[mode] = {"result": value, "collectives": counter.calls}
     return out
 
@@ -252,3 +254,21 @@ def test_one_rank_with_missing_inputs(tmp_path):
     _assert_all_ranks_equal(per_rank)
     assert per_rank[0]["status"] == "missing"
     assert per_rank[0]["scale"] == 1.0
+
+
+def test_one_rank_with_invalid_inputs_fails_every_rank_without_hanging(tmp_path):
+    results = run_ranks(
+        rank_compute,
+        dp=2,
+        cp=2,
+        args=(5, ("geometric",)),
+        kwargs={"faults": {(1, 1, 0): "invalid"}},
+        tmp_path=tmp_path,
+        timeout=60,
+    )
+    errors = [r["geometric"]["result"]["error"] for r in results]
+    bad = 3  # (dp 1, cp 1) is global rank 3
+    assert errors[bad].startswith("ValueError: sample 0: log_probs has")
+    for rank, error in enumerate(errors):
+        if rank != bad:
+            assert error.startswith("InvalidInputsElsewhereError: ESS-LR inputs failed"), error
