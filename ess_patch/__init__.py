@@ -11,16 +11,39 @@ Public surface (see README.md)::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from .attach import attach, detach
-from .compute import compute_ess_lr
 from .config import EssLrConfig
-from .estimator import NonFiniteLogProbError
 from .install import install, installed_targets, is_installed, uninstall
 from .lr import scaled_lr
 from .patching import MissingTargetError
-from .reduction import broadcast_from_last_stage
 from .result import EssLrResult
 from .state import arm, armed, disarm, exclude, set_role
+
+if TYPE_CHECKING:
+    from .compute import compute_ess_lr
+    from .estimator import NonFiniteLogProbError
+    from .reduction import broadcast_from_last_stage
+
+# The names that need torch are imported on first use, so that `import ess_patch` and
+# install() stay cheap (the auto-install runs them in every process of a job).
+_LAZY = {
+    "compute_ess_lr": "compute",
+    "NonFiniteLogProbError": "estimator",
+    "broadcast_from_last_stage": "reduction",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ess_patch' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 

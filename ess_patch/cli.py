@@ -23,6 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .patches_cli import add_parser as add_patches_parser
 
     add_patches_parser(subparsers)
+    subparsers.add_parser(
+        "doctor",
+        help="report versions, patch targets and activation; exit 1 if anything is wrong",
+    )
     return parser
 
 
@@ -145,7 +149,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_demo(args)
     if args.command == "patches":
         return args.func(args)
+    if args.command == "doctor":
+        return _run_doctor()
     return 0
+
+
+def _run_doctor() -> int:
+    import warnings
+
+    from .doctor import collect, render
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # megatron's import-time notices are not problems
+        report = collect()
+    print(render(report))
+    return 1 if report.problems else 0
 
 
 if __name__ == "__main__":

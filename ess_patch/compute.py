@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ def compute_ess_lr(
     config: EssLrConfig | None = None,
     cp_group: object | None = None,
     dp_group: object | None = None,
+    prepare_masks: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] | None = None,
 ) -> EssLrResult:
     """ESS, rho and LR scale of one rollout, identical on every rank.
 
@@ -36,6 +37,8 @@ def compute_ess_lr(
             trajectories (one all-reduce when its size > 1).
         dp_group: data-parallel group (without CP) whose ranks hold *other* trajectories
             (one all-gather when its size > 1).
+        prepare_masks: applied to ``loss_masks`` first, under the same error handling as
+            the validation (e.g. slicing full-length masks to this CP rank's tokens).
 
     A rank whose ``log_probs`` or ``rollout_log_probs`` is None has missing inputs: it
     still enters every collective and every rank returns the no-op (``status="missing"``).
@@ -54,6 +57,8 @@ def compute_ess_lr(
     missing = log_probs is None or rollout_log_probs is None
     error: Exception | None = None
     try:
+        if prepare_masks is not None and loss_masks is not None:
+            loss_masks = prepare_masks(loss_masks)
         if missing:
             stats = _missing_table(log_probs, rollout_log_probs, loss_masks, cp_group)
         else:

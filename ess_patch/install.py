@@ -22,6 +22,8 @@ from packaging.version import InvalidVersion, Version
 from .config import EssLrConfig
 from .integrations import Integration
 from .integrations.megatron import MEGATRON
+from .integrations.miles import MILES
+from .integrations.slime import SLIME
 from .patching import apply, revert
 from .state import STATE, disarm
 
@@ -29,7 +31,7 @@ __all__ = ["INTEGRATIONS", "install", "installed_targets", "is_installed", "unin
 
 logger = logging.getLogger(__name__)
 
-INTEGRATIONS: dict[str, Integration] = {MEGATRON.name: MEGATRON}
+INTEGRATIONS: dict[str, Integration] = {i.name: i for i in (MEGATRON, MILES, SLIME)}
 
 #: Comma-separated integration names, read when ``install(integrations=None)``.
 ENV_INTEGRATIONS = "ESS_PATCH_INTEGRATIONS"
@@ -123,6 +125,8 @@ def _select(integrations: Iterable[str] | str | None) -> list[str]:
 
 def _check_version(integration: Integration) -> None:
     """Compare the installed distribution with ``supported`` from metadata, not by import."""
+    if integration.distribution is None:  # a source checkout: its symbols are checked
+        return
     try:
         raw = importlib.metadata.version(integration.distribution)
     except importlib.metadata.PackageNotFoundError:
@@ -154,6 +158,9 @@ def _on_import(module: ModuleType) -> None:
         integration = INTEGRATIONS[name]
         for target in integration.targets:
             if target.module == module.__name__:
-                patch = apply(target, f"{integration.distribution} {integration.supported}")
+                supported = " ".join(
+                    filter(None, (integration.distribution, integration.supported))
+                )
+                patch = apply(target, supported)
                 if patch is not None:
                     patches.append(patch)

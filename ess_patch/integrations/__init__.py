@@ -18,7 +18,7 @@ class Integration:
     """
 
     name: str
-    distribution: str
+    distribution: str | None  # None: not pip-installed as a versioned distribution
     supported: str
     targets: tuple[Target, ...]
 

@@ -1,0 +1,60 @@
+"""Activate ess-patch in every process of a job with one environment variable.
+
+miles and slime parse arguments in a driver but train in Ray actor processes. Setting
+``ESS_PATCH_AUTO_INSTALL=1`` in those processes' environment (for example with
+``--train-env-vars '{"ESS_PATCH_AUTO_INSTALL": "1"}'``, which both frameworks copy into
+every train actor's ``runtime_env``) makes the ``ess_patch-autoinstall.pth`` file that the
+wheel puts in site-packages call :func:`run` at interpreter start-up: ``install()`` runs
+before any framework module is imported. Without the variable, the ``.pth`` line reads one
+environment variable and imports nothing.
+
+The value is ``1``/``true``/``yes``/``on`` (install the integrations named by
+``ESS_PATCH_INTEGRATIONS``, default all) or a comma-separated list of integration names.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+__all__ = ["ENV", "megatron_init", "requested", "run"]
+
+logger = logging.getLogger(__name__)
+
+ENV = "ESS_PATCH_AUTO_INSTALL"
+_OFF = ("", "0", "false", "no", "off")
+_ON = ("1", "true", "yes", "on")
+
+
+def requested(environ: dict[str, str] | None = None) -> str | None:
+    """The integrations the environment asks for ("" = the default set), or None (off)."""
+    value = (os.environ if environ is None else environ).get(ENV, "").strip()
+    if value.lower() in _OFF:
+        return None
+    return "" if value.lower() in _ON else value
+
+
+def run() -> bool:
+    """Install if the environment asks for it; never raises (it runs at start-up).
+
+    Returns whether ess-patch is installed afterwards.
+    """
+    wanted = requested()
+    if wanted is None:
+        return False
+    from .install import install, is_installed
+
+    try:
+        install(wanted or None)
+    except Exception:  # a broken start-up must say so loudly, not kill every process
+        logger.exception("ess-patch: %s=%r was set but install() failed", ENV, wanted)
+    return is_installed()
+
+
+def megatron_init(args: object = None) -> None:
+    """For ``--custom-megatron-init-path ess_patch.autoinstall.megatron_init`` (Megatron
+    backends of miles and slime): install in the train actor if not done yet."""
+    from .install import install, is_installed
+
+    if not is_installed():
+        install()

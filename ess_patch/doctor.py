@@ -1,0 +1,214 @@
+"""``ess-patch doctor``: what is installed, what would be patched, and what is wrong."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import site
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from .autoinstall import ENV as AUTO_ENV
+from .autoinstall import requested
+from .config import EssLrConfig
+from .install import INTEGRATIONS, is_installed
+from .patching import is_ours
+
+__all__ = ["Report", "collect", "render"]
+
+PTH = "ess_patch-autoinstall.pth"
+_MIN = {"torch": "2.1", "wrapt": "1.16"}
+
+
+@dataclass
+class Report:
+    """Lines to show, and the problems among them (each a full sentence with the fix)."""
+
+    sections: dict[str, list[str]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    def add(self, section: str, line: str) -> None:
+        self.sections.setdefault(section, []).append(line)
+
+    def problem(self, section: str, line: str) -> None:
+        self.add(section, f"PROBLEM {line}")
+        self.problems.append(line)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _findable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _versions(report: Report) -> None:
+    section = "versions"
+    report.add(section, f"python        {platform.python_version()} ({sys.executable})")
+    for dist in ("ess-patch", "torch", "wrapt", "megatron-core"):
+        found = _version(dist)
+        if found is None:
+            if dist == "megatron-core" and _findable("megatron.core"):
+                report.add(
+                    section,
+                    f"{dist:<13} not a distribution (a vendored tree: "
+                    f"{importlib.util.find_spec('megatron.core').origin})",
+                )
+            elif dist == "megatron-core":
+                report.problem(
+                    section,
+                    "megatron-core is not installed: nothing for install() to "
+                    "patch (pip install 'ess-patch[megatron]')",
+                )
+            else:
+                report.problem(section, f"{dist} is not installed (pip install {dist})")
+            continue
+        report.add(section, f"{dist:<13} {found}")
+        minimum = _MIN.get(dist)
+        if minimum and _older(found, minimum):
+            report.problem(
+                section,
+                f"{dist} {found} is older than {minimum}, the oldest ess-patch "
+                f"supports (pip install -U '{dist}>={minimum}')",
+            )
+        if dist == "megatron-core":
+            supported = INTEGRATIONS["megatron"].supported
+            try:
+                ok = Version(found) in SpecifierSet(supported, prereleases=True)
+            except InvalidVersion:
+                ok = False
+            if not ok:
+                report.problem(
+                    section,
+                    f"megatron-core {found} is outside the supported range "
+                    f"{supported}; use a supported release or the patches/ "
+                    "series for your version",
+                )
+    for name in ("miles", "slime"):
+        spec = importlib.util.find_spec(name) if _findable(name) else None
+        location = (
+            spec.submodule_search_locations[0] if spec and spec.submodule_search_locations else None
+        )
+        report.add(section, f"{name:<13} {'importable from ' + location if location else 'absent'}")
+
+
+def _targets(report: Report) -> None:
+    for name, integration in INTEGRATIONS.items():
+        section = f"targets: {name} ({integration.supported})"
+        top = integration.modules[0].split(".")[0]
+        if not _findable(top):
+            report.add(section, f"-- {top} is not importable here; nothing to patch")
+            continue
+        for target in integration.targets:
+            try:
+                module = importlib.import_module(target.module)
+            except ImportError as exc:
+                state = f"module not importable ({exc.name or exc})"
+                if target.required and not _optional_module(target.module):
+                    report.problem(
+                        section,
+                        f"{target.path}: {state}; install the framework's "
+                        "dependencies in this environment",
+                    )
+                else:
+                    report.add(section, f"-- {target.path}: {state}")
+                continue
+            except Exception as exc:  # a framework module failing at import time
+                report.problem(
+                    section,
+                    f"{target.path}: importing {target.module} raised {type(exc).__name__}: {exc}",
+                )
+                continue
+            holder = module
+            for part in filter(None, target.owner.split(".")):
+                holder = getattr(holder, part, None)
+            value = vars(holder).get(target.attribute) if holder is not None else None
+            if value is None:
+                if target.required:
+                    report.problem(
+                        section, f"{target.path} is missing; supported: {integration.supported}"
+                    )
+                else:
+                    report.add(section, f"-- {target.path}: not in this version (optional)")
+            elif getattr(value, "__ess_patch_vendored__", False):
+                report.add(section, f"ok {target.path}: vendored diff applied (install() skips it)")
+            elif is_ours(value):
+                report.add(section, f"ok {target.path}: wrapped by install() in this process")
+            else:
+                report.add(section, f"ok {target.path}: install() would wrap it")
+
+
+def _optional_module(module: str) -> bool:
+    # the layer-wise optimizer module only exists from megatron-core 0.16
+    return module.endswith("layer_wise_optimizer")
+
+
+def _activation(report: Report) -> None:
+    section = "activation"
+    pth = [Path(d) / PTH for d in site.getsitepackages() if (Path(d) / PTH).exists()]
+    wanted = requested()
+    report.add(section, f"installed in this process: {'yes' if is_installed() else 'no'}")
+    report.add(
+        section,
+        f"{AUTO_ENV}={os.environ.get(AUTO_ENV, '')!r} ({'on' if wanted is not None else 'off'})",
+    )
+    if pth:
+        report.add(section, f"auto-install hook: {pth[0]}")
+    elif wanted is not None:
+        report.problem(
+            section,
+            f"{AUTO_ENV} is set but {PTH} is not in site-packages (an "
+            "editable install does not ship it): reinstall with "
+            "`pip install .` or call ess_patch.install() yourself",
+        )
+    else:
+        report.add(section, f"auto-install hook: {PTH} not found (editable install?)")
+    try:
+        config = EssLrConfig.from_env()
+        report.add(section, f"config from ESS_LR_* environment: {config}")
+    except ValueError as exc:
+        report.problem(section, f"ESS_LR_* environment: {exc}")
+
+
+def _older(found: str, minimum: str) -> bool:
+    try:
+        return Version(found.split("+")[0]) < Version(minimum)
+    except InvalidVersion:
+        return False
+
+
+def collect() -> Report:
+    """Inspect this environment (imports the host libraries that are present)."""
+    report = Report()
+    _versions(report)
+    _targets(report)
+    _activation(report)
+    return report
+
+
+def render(report: Report) -> str:
+    lines = []
+    for section, entries in report.sections.items():
+        lines.append(f"[{section}]")
+        lines.extend(f"  {entry}" for entry in entries)
+    lines.append("")
+    if report.problems:
+        lines.append(f"{len(report.problems)} problem(s):")
+        lines.extend(f"- {p}" for p in report.problems)
+    else:
+        lines.append("no problems found")
+    return "\n".join(lines)

@@ -1,0 +1,256 @@
+"""What miles and slime share: the flags, their validation, the advantage hook, the metrics.
+
+Each framework module (``miles.py``, ``slime.py``) supplies a :class:`Framework` with the
+parts that differ (where its process groups live, which combinations can never give train
+log-probs) and lists its targets; the wrappers here are built from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from ..config import NONFINITE_POLICIES, RULES, WEIGHT_MODES, EssLrConfig
+from ..result import EssLrResult
+from ..state import arm, armed, disarm, set_role
+
+__all__ = ["Framework", "Groups", "add_ess_arguments", "config_from_args"]
+
+logger = logging.getLogger(__name__)
+
+METRIC_PREFIX = "train/"
+
+
+class Groups(NamedTuple):
+    """The process groups one rollout's ESS is reduced over (None = a single rank)."""
+
+    cp_group: Any
+    cp_rank: int
+    cp_size: int
+    dp_group: Any  # data-parallel WITHOUT context-parallel: the ranks with other samples
+    pp_group: Any
+    is_pp_last: bool
+
+
+@dataclass(frozen=True)
+class Framework:
+    """The framework-specific parts of the integration."""
+
+    name: str
+    groups: Callable[[], Groups]
+    #: Why these args can never give train log-probs to the ESS hook (None if they can).
+    no_input_reason: Callable[[argparse.Namespace], str | None]
+    #: Why these args select a backend or mode the integration does not support.
+    unsupported_reason: Callable[[argparse.Namespace], str | None]
+
+
+# --- flags -------------------------------------------------------------------------------------
+
+
+def _floor(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(
+            f"{value} is outside (0, 1]: the floor is the smallest fraction of the scheduled "
+            "LR an update may use (default 0.1)"
+        )
+    return value
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} must be a finite number > 0")
+    return value
+
+
+def add_ess_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--use-ess-lr`` and its options to a host framework's parser (idempotent)."""
+    if "--use-ess-lr" in parser._option_string_actions:  # the user added them already
+        return parser
+    group = parser.add_argument_group("ESS learning-rate scaling (ess-patch)")
+    group.add_argument(
+        "--use-ess-lr",
+        action="store_true",
+        default=False,
+        help="Scale each policy update's LR by clamp(sqrt(ESS/B), floor, 1), ESS from the "
+        "train/rollout log-prob ratios of the rollout (ess-patch). Off by default.",
+    )
+    group.add_argument(
+        "--ess-lr-floor",
+        type=_floor,
+        default=0.1,
+        help="Smallest LR scale, in (0, 1] (default 0.1).",
+    )
+    group.add_argument(
+        "--ess-lr-weight-mode",
+        choices=WEIGHT_MODES,
+        default="geometric",
+        help="Trajectory weight: exp(mean log-ratio) ('geometric', length-normalised, gentle) or "
+        "exp(sum) ('product', VCPO's code, brakes hard on long responses).",
+    )
+    group.add_argument(
+        "--ess-lr-rule",
+        choices=RULES,
+        default="sqrt",
+        help="Scale from rho = ESS/B: sqrt(rho/base) (default) or rho/base ('linear').",
+    )
+    group.add_argument(
+        "--ess-lr-base-ratio",
+        type=_positive,
+        default=1.0,
+        help="rho is divided by this before the rule (default 1.0: no rescaling).",
+    )
+    group.add_argument(
+        "--ess-lr-nonfinite",
+        choices=NONFINITE_POLICIES,
+        default="raise",
+        help="On a NaN/inf log-ratio: 'raise' on every rank (default) or train at the floor.",
+    )
+    return parser
+
+
+def compose_custom_arguments(
+    user: Callable[[argparse.ArgumentParser], Any] | None,
+) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
+    """The user's ``add_custom_arguments`` followed by ours (both frameworks accept one)."""
+
+    def add(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        if user is not None:
+            returned = user(parser)
+            parser = parser if returned is None else returned
+        return add_ess_arguments(parser)
+
+    return add
+
+
+def config_from_args(args: argparse.Namespace) -> EssLrConfig:
+    """The estimator settings chosen on the command line."""
+    return EssLrConfig(
+        floor=getattr(args, "ess_lr_floor", 0.1),
+        weight_mode=getattr(args, "ess_lr_weight_mode", "geometric"),
+        rule=getattr(args, "ess_lr_rule", "sqrt"),
+        base_ratio=getattr(args, "ess_lr_base_ratio", 1.0),
+        nonfinite=getattr(args, "ess_lr_nonfinite", "raise"),
+    )
+
+
+def validate(framework: Framework, args: argparse.Namespace) -> None:
+    """Reject ESS-LR settings that cannot work, with the flag to change.
+
+    Raises:
+        ValueError: an unsupported backend or mode, or a combination that can never give
+            train log-probs (the ESS would silently never act).
+    """
+    if not getattr(args, "use_ess_lr", False):
+        return
+    config_from_args(args)  # field checks (a floor set programmatically, not by the parser)
+    reason = framework.unsupported_reason(args)
+    if reason:
+        raise ValueError(f"--use-ess-lr is not supported with {reason} ({framework.name})")
+    reason = framework.no_input_reason(args)
+    if reason:
+        raise ValueError(
+            f"--use-ess-lr needs the train log-probs recomputed before the advantages, but "
+            f"{reason}, so ESS-LR would never act ({framework.name}). Drop --use-ess-lr or "
+            "change that setting"
+        )
+
+
+# --- wrappers ----------------------------------------------------------------------------------
+
+
+def parse_args_wrapper(framework: Framework) -> Callable[..., Any]:
+    """Wrap ``parse_args(add_custom_arguments=None)``: add our flags, validate the result."""
+
+    def wrapper(wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict) -> Any:
+        user = kwargs.pop("add_custom_arguments", args[0] if args else None)
+        parsed = wrapped(*args[1:], add_custom_arguments=compose_custom_arguments(user), **kwargs)
+        validate(framework, parsed)
+        return parsed
+
+    return wrapper
+
+
+def _bind_advantage_args(args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    host_args = kwargs.get("args", args[0] if args else None)
+    rollout_data = kwargs.get("rollout_data", args[1] if len(args) > 1 else None)
+    return host_args, rollout_data
+
+
+def advantage_wrapper(framework: Framework) -> Callable[..., Any]:
+    """Wrap ``compute_advantages_and_returns(args, rollout_data)``: run it, then arm ESS."""
+
+    def wrapper(wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict) -> Any:
+        out = wrapped(*args, **kwargs)
+        host_args, rollout_data = _bind_advantage_args(args, kwargs)
+        if not getattr(host_args, "use_ess_lr", False):
+            return out  # disabled: no collective, no state change
+        if getattr(host_args, "loss_type", None) == "value_loss":
+            set_role("critic")  # the critic is never scaled
+            disarm()
+            return out
+        arm_from_rollout(framework, host_args, rollout_data)
+        return out
+
+    return wrapper
+
+
+def arm_from_rollout(framework: Framework, args: Any, rollout_data: dict) -> EssLrResult:
+    """Compute this rollout's ESS on every rank of the actor and arm it."""
+    # Imported here: install() (run at start-up by the auto-install) must not import torch.
+    from ..compute import compute_ess_lr
+    from ..cp_slicing import local_response_masks
+    from ..reduction import broadcast_from_last_stage
+
+    groups = framework.groups()
+    result = None
+    if groups.is_pp_last:
+        log_probs = rollout_data.get("log_probs")
+        rollout_log_probs = rollout_data.get("rollout_log_probs")
+        prepare = None
+        if groups.cp_size > 1:
+
+            def prepare(masks: Any) -> list:
+                return local_response_masks(
+                    masks,
+                    rollout_data["total_lengths"],
+                    rollout_data["response_lengths"],
+                    groups.cp_rank,
+                    groups.cp_size,
+                    qkv_format=getattr(args, "qkv_format", "thd"),
+                    max_seq_lens=rollout_data.get("max_seq_lens"),
+                )
+
+        result = compute_ess_lr(
+            log_probs,
+            rollout_log_probs,
+            rollout_data.get("loss_masks"),
+            config=config_from_args(args),
+            cp_group=groups.cp_group,
+            dp_group=groups.dp_group,
+            prepare_masks=prepare,
+        )
+    result = broadcast_from_last_stage(result, groups.pp_group)
+    if result.status == "missing":
+        logger.warning(
+            "ess-patch (%s): this rollout has no %s on some rank; ESS-LR is a no-op for it",
+            framework.name,
+            "train log-probs" if rollout_data.get("log_probs") is None else "rollout log-probs",
+        )
+    return arm(result)
+
+
+def ess_metrics() -> dict[str, float]:
+    """The armed result's metrics (keys without ``train/``), or {} when nothing is armed."""
+    result = armed()
+    return {} if result is None else result.metrics()

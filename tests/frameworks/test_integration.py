@@ -1,0 +1,439 @@
+"""ess-patch inside the REAL miles and slime code (snapshots in ../shared/upstream).
+
+- the real parsers accept the flags after install(), reject bad floors and the combinations
+  that can never give train log-probs, and leave every other default unchanged;
+- the real ``compute_advantages_and_returns`` in the gloo harness (CP=2 x DP=2, inputs
+  sliced as each framework slices them) arms on every rank the single-process reference
+  scale, and its own outputs stay bitwise identical; disabled, nothing changes at all;
+- miles' real ``train()`` -> ``train_one_step`` -> optimizer / scheduler -> ``log_train_step``
+  shows the scaled update, the restored LR and the metrics; slime's real ``log`` gets them;
+- the FSDP backend's plain torch optimizer and miles' own FSDP LR scheduler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared helpers
+from harness import run_ranks
+from reference import reference_ess
+from test_upstream_smoke import CP, DP, SHAPES, _local_batch, _rollout
+from upstream import MINIMAL_ARGV, miles_parallel_state, parse_upstream_args, skip_reason
+
+import ess_patch
+
+FULL = {fw: skip_reason(fw, "full") for fw in ("miles", "slime")}
+LOSS = {fw: skip_reason(fw, "loss") for fw in ("miles", "slime")}
+
+
+def _needs(tier: dict, fw: str):
+    return pytest.mark.skipif(tier[fw] is not None, reason=tier[fw] or "")
+
+
+def _framework_params(tier: dict):
+    return [pytest.param(fw, marks=_needs(tier, fw)) for fw in ("miles", "slime")]
+
+
+# --- flags --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fw", _framework_params(FULL))
+def test_parser_accepts_the_flags_and_changes_no_default(fw, clean_ess):
+    plain = parse_upstream_args(fw, MINIMAL_ARGV)
+    ess_patch.install(fw)
+    off = parse_upstream_args(fw, MINIMAL_ARGV)
+    on = parse_upstream_args(fw, [*MINIMAL_ARGV, "--use-ess-lr", "--ess-lr-floor", "0.2"])
+    assert on.use_ess_lr is True and on.ess_lr_floor == 0.2
+    assert (off.use_ess_lr, off.ess_lr_floor, off.ess_lr_weight_mode) == (False, 0.1, "geometric")
+    ours = {k for k in vars(off) if k == "use_ess_lr" or k.startswith("ess_lr_")}
+    assert ours == {
+        "use_ess_lr",
+        "ess_lr_floor",
+        "ess_lr_weight_mode",
+        "ess_lr_rule",
+        "ess_lr_base_ratio",
+        "ess_lr_nonfinite",
+    }
+    before = {k: repr(v) for k, v in vars(plain).items()}
+    after = {k: repr(v) for k, v in vars(off).items() if k not in ours}
+    assert after == before
+
+
+@pytest.mark.parametrize("fw", _framework_params(FULL))
+@pytest.mark.parametrize("floor", ["0", "1.5", "abc"])
+def test_parser_rejects_a_bad_floor(fw, floor, clean_ess):
+    ess_patch.install(fw)
+    stderr = io.StringIO()
+    with pytest.raises(SystemExit) as info, contextlib.redirect_stderr(stderr):
+        parse_upstream_args(fw, [*MINIMAL_ARGV, "--use-ess-lr", "--ess-lr-floor", floor])
+    assert info.value.code == 2
+    assert "argument --ess-lr-floor" in stderr.getvalue()
+    assert ("outside (0, 1]" if floor != "abc" else "is not a number") in stderr.getvalue()
+
+
+@pytest.mark.parametrize("fw", _framework_params(FULL))
+def test_parser_rejects_settings_that_never_give_train_log_probs(fw, clean_ess):
+    ess_patch.install(fw)
+    argv = [*MINIMAL_ARGV, "--use-ess-lr", "--use-rollout-logprobs"]
+    with pytest.raises(ValueError, match="--use-rollout-logprobs without --get-mismatch-metrics"):
+        parse_upstream_args(fw, argv)
+    # the same settings without ESS-LR are fine
+    assert parse_upstream_args(fw, [*MINIMAL_ARGV, "--use-rollout-logprobs"]).use_rollout_logprobs
+
+
+@pytest.mark.parametrize("fw", _framework_params(FULL))
+def test_user_custom_arguments_still_apply(fw, clean_ess):
+    ess_patch.install(fw)
+
+    def add(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser.add_argument("--my-flag", type=int, default=7)
+        return parser
+
+    args = parse_upstream_args(fw, [*MINIMAL_ARGV, "--use-ess-lr"], add)
+    assert args.my_flag == 7 and args.use_ess_lr
+
+
+# --- the advantage hook, in the gloo harness ------------------------------------------------------
+
+
+def _host_args(fw: str, use_ess_lr: bool) -> Namespace:
+    common = dict(
+        advantage_estimator="grpo",
+        kl_coef=0.0,
+        kl_loss_type="low_var_kl",
+        normalize_advantages=True,
+        use_rollout_logprobs=False,
+        use_opd=False,
+        loss_type="policy_loss",
+        use_ess_lr=use_ess_lr,
+        ess_lr_floor=0.1,
+        ess_lr_weight_mode="product",
+        ess_lr_rule="sqrt",
+        ess_lr_base_ratio=1.0,
+        ess_lr_nonfinite="raise",
+    )
+    if fw == "miles":
+        return Namespace(**common, skip_actor_forward_only=False, qkv_format="thd")
+    return Namespace(**common, custom_advantage_function_path=None)
+
+
+class _Counter:
+    """Collectives issued, by name."""
+
+    def __init__(self):
+        self.names: list[str] = []
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self._saved = {n: getattr(dist, n) for n in ("all_reduce", "all_gather", "broadcast")}
+        for name, original in self._saved.items():
+
+            def counted(*a, _n=name, _o=original, **k):
+                self.names.append(_n)
+                return _o(*a, **k)
+
+            setattr(dist, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+
+def _advantages(compute, args, batch):
+    data = {k: list(v) for k, v in batch.items()}
+    with _Counter() as counter:
+        compute(args, data)
+    return data["advantages"], counter.names
+
+
+def rank_advantage_hook(fw: str) -> dict:
+    from megatron.core import parallel_state as mpu
+
+    if fw == "miles":
+        import miles.backends.training_utils.loss as loss
+        from miles.backends.training_utils.cp_utils import slice_log_prob_with_cp
+
+        miles_parallel_state()
+    else:
+        import slime.backends.megatron_utils.loss as loss
+        from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
+    dp_rank = mpu.get_data_parallel_rank(with_context_parallel=False)
+    dp_size = mpu.get_data_parallel_world_size(with_context_parallel=False)
+    _, batch = _local_batch(slice_log_prob_with_cp, dp_rank, dp_size)
+
+    plain, plain_calls = _advantages(
+        loss.compute_advantages_and_returns, _host_args(fw, True), batch
+    )
+    ess_patch.install(fw)
+    off, off_calls = _advantages(loss.compute_advantages_and_returns, _host_args(fw, False), batch)
+    armed_when_off = ess_patch.armed()
+    on, on_calls = _advantages(loss.compute_advantages_and_returns, _host_args(fw, True), batch)
+    result = ess_patch.armed()
+    critic_args = _host_args(fw, True)
+    critic_args.loss_type = "value_loss"
+    _advantages(loss.compute_advantages_and_returns, critic_args, batch)
+    ess_patch.uninstall()
+    return {
+        "off_identical": all(torch.equal(a, b) for a, b in zip(plain, off, strict=True)),
+        "on_identical": all(torch.equal(a, b) for a, b in zip(plain, on, strict=True)),
+        "armed_when_off": armed_when_off,
+        "calls": (plain_calls, off_calls, on_calls),
+        "result": None if result is None else (result.scale, result.rho, result.status),
+        "critic_role": ess_patch.state.STATE.role,
+    }
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("fw", _framework_params(LOSS))
+def test_advantage_hook_arms_the_reference_scale_on_every_rank(fw, tmp_path):
+    results = run_ranks(rank_advantage_hook, dp=DP, cp=CP, args=(fw,), tmp_path=tmp_path)
+    full = _rollout()
+    ref = reference_ess(
+        [s["log_probs"] for s in full],
+        [s["rollout_log_probs"] for s in full],
+        [s["loss_mask"] for s in full],
+        mode="product",
+    )
+    assert len(SHAPES) == 8 and ref["rho"] < 0.99  # a real check, not rho = 1
+    scales = {r["result"] for r in results}
+    assert len(scales) == 1, scales  # every rank armed exactly the same result
+    scale, rho, status = scales.pop()
+    assert status == "ok"
+    assert rho == pytest.approx(ref["rho"], rel=1e-6)
+    assert scale == pytest.approx(ref["scale"], rel=1e-6)
+    for r in results:
+        assert r["off_identical"] and r["on_identical"]  # advantages bitwise unchanged
+        assert r["armed_when_off"] is None
+        plain_calls, off_calls, on_calls = r["calls"]
+        assert off_calls == plain_calls  # disabled: not one extra collective
+        assert on_calls == [*plain_calls, "all_reduce", "all_gather"]  # CP, then DP
+        assert r["critic_role"] == "critic"
+
+
+# --- the train step, logging, FSDP ------------------------------------------------------------
+
+
+def _one_rollout_batch() -> dict:
+    full = _rollout()
+    return {
+        "log_probs": [s["log_probs"] for s in full],
+        "rollout_log_probs": [s["rollout_log_probs"] for s in full],
+        "loss_masks": [s["loss_mask"] for s in full],
+        "response_lengths": [s["response_length"] for s in full],
+        "total_lengths": [s["total_length"] for s in full],
+        "rewards": [s["reward"] for s in full],
+    }
+
+
+@_needs(FULL, "miles")
+def test_miles_train_step_scales_once_restores_the_lr_and_logs(world, clean_ess, monkeypatch):
+    from megatron_cpu import batch, build_megatron_optimizer, param_triples
+
+    ess_patch.install(["megatron", "miles"])
+    argv = [*MINIMAL_ARGV, "--lr", "1e-2", "--use-ess-lr", "--ess-lr-weight-mode", "product"]
+    args = parse_upstream_args("miles", argv)
+    import miles.backends.megatron_utils.model as model_module
+    import miles.backends.training_utils.log_utils as log_utils
+    from megatron.training.global_vars import set_args
+    from miles.backends.megatron_utils import actor as actor_module
+
+    set_args(args)
+    miles_parallel_state()
+    setup = build_megatron_optimizer("fp32", optimizer="sgd")
+
+    # the actor's own reference to the advantage routine arms the rollout's result
+    rollout = _one_rollout_batch()
+    actor_module.compute_advantages_and_returns(args, rollout)
+    result = ess_patch.armed()
+    assert result is not None and result.status == "ok" and result.scale < 1.0
+
+    seen = {}
+
+    def fake_forward_backward(**kw):  # miles' GPT forward cannot run on CPU: one real backward
+        model = kw["model"][0]
+        x, y = batch(0, 0)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        setup.optimizer.scale_loss(loss).backward()
+        model.finish_grad_sync()
+        seen["before"] = [
+            (g["lr"], p.detach().clone(), m.main_grad.clone())  # fp32: the grad it will use
+            for g, p, m in param_triples(setup.optimizer)
+        ]
+        return [{"keys": ["loss"], "values": torch.tensor([1.0, loss.item()])}]
+
+    logged = []
+    monkeypatch.setattr(model_module, "get_forward_backward_func", lambda: fake_forward_backward)
+    monkeypatch.setattr(log_utils.tracking, "log", lambda a, d, step_key: logged.append(dict(d)))
+
+    class Iterator:
+        def reset(self):
+            pass
+
+    model_module.train(
+        0,
+        setup.models,
+        setup.optimizer,
+        setup.scheduler,
+        [Iterator()],
+        [1, 1],
+        [4, 4],
+        witness_info=None,
+        attempt=0,
+    )
+    # the update used lr * scale, exactly once, for every parameter
+    for (lr, p0, grad), (_, p1, _) in zip(
+        seen["before"], param_triples(setup.optimizer), strict=True
+    ):
+        assert grad.abs().sum() > 0
+        assert torch.equal(p1, p0.add(grad, alpha=-(lr * result.scale)))
+        assert not torch.equal(p1, p0.add(grad, alpha=-lr))
+    # the scheduler's LR, not a scaled one, is in the groups after the step
+    for group in setup.optimizer.param_groups:
+        assert group["lr"] == setup.scheduler.get_lr(group)
+    assert [r["train/step"] for r in logged] == [0, 1]  # two optimizer steps in this rollout
+    for record in logged:  # every step of the rollout used, and logged, the same result
+        assert record["train/lr_scale"] == result.scale
+        assert record["train/rho_ess"] == result.rho
+        assert record["train/ess_num_trajectories"] == 8
+        assert "train/loss" in record  # miles' own metrics are still there
+
+
+@_needs(FULL, "slime")
+def test_slime_train_log_gets_the_metrics(clean_ess, monkeypatch):
+    import slime.observability.logging_utils as logging_utils
+
+    ess_patch.install("slime")
+    logged = []
+    monkeypatch.setattr(logging_utils, "wandb", Namespace(log=logged.append))
+    args = Namespace(use_wandb=True, use_tensorboard=False)
+    logging_utils.log(args, {"train/loss": 1.0, "train/step": 3}, step_key="train/step")
+    assert logged == [{"train/loss": 1.0, "train/step": 3}]  # nothing armed: unchanged
+    ess_patch.arm(ess_patch.EssLrResult(scale=0.5, rho=0.25, ess=2.0, num_trajectories=8))
+    logging_utils.log(args, {"train/loss": 1.0, "train/step": 3}, step_key="train/step")
+    logging_utils.log(args, {"rollout/x": 1.0, "rollout/step": 3}, step_key="rollout/step")
+    assert logged[1]["train/lr_scale"] == 0.5 and logged[1]["train/rho_ess"] == 0.25
+    assert logged[1]["train/loss"] == 1.0
+    assert logged[2] == {"rollout/x": 1.0, "rollout/step": 3}  # only the train step
+
+
+def _fsdp_run(scale, *, attach: bool, by_hand: bool = False):
+    """miles' FSDP step order: optimizer.step(), then its FSDPLRScheduler.step()."""
+    from miles.backends.fsdp_utils.lr_scheduler import FSDPLRScheduler
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = FSDPLRScheduler(
+        opt,
+        init_lr=1e-3,
+        max_lr=1e-2,
+        min_lr=1e-3,
+        lr_warmup_steps=2,
+        lr_decay_steps=6,
+        lr_decay_style="cosine",
+    )
+    if attach:
+        ess_patch.attach(opt)
+        ess_patch.arm(scale)
+    lrs = []
+    for step in range(4):
+        gen = torch.Generator().manual_seed(step)
+        opt.zero_grad()
+        loss = model(torch.randn(5, 4, generator=gen)).pow(2).mean()
+        loss.backward()
+        saved = [g["lr"] for g in opt.param_groups]
+        if by_hand:
+            for g in opt.param_groups:
+                g["lr"] = g["lr"] * scale
+        opt.step()
+        if by_hand:
+            for g, lr in zip(opt.param_groups, saved, strict=True):
+                g["lr"] = lr
+        sched.step()
+        lrs.append([g["lr"] for g in opt.param_groups])  # what miles logs as lr-pg_i
+    ess_patch.disarm()
+    return [p.detach().clone() for p in model.parameters()], lrs
+
+
+@_needs(FULL, "miles")
+def test_fsdp_plain_optimizer_is_scaled_like_the_megatron_one(clean_ess):
+    plain, plain_lrs = _fsdp_run(0.3, attach=False)
+    scaled, lrs = _fsdp_run(0.3, attach=True)
+    manual, _ = _fsdp_run(0.3, attach=False, by_hand=True)
+    assert all(torch.equal(a, b) for a, b in zip(scaled, manual, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(scaled, plain, strict=True))
+    assert lrs == plain_lrs  # the scheduler and the logged LRs never see a scaled LR
+
+
+@_needs(FULL, "miles")
+def test_fsdp_actor_attaches_its_optimizer_when_enabled(clean_ess):
+    from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
+
+    from ess_patch.integrations.miles import _fsdp_train_core_wrapper
+    from ess_patch.patching import is_ours
+
+    ess_patch.install("miles")
+    assert is_ours(vars(FSDPTrainRayActor)["_train_core"])
+    for enabled in (False, True):
+        actor = FSDPTrainRayActor.__new__(FSDPTrainRayActor)
+        actor.args = Namespace(use_ess_lr=enabled)
+        actor.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+        ran = _fsdp_train_core_wrapper(lambda *a, **k: "trained", actor, (), {})
+        assert ran == "trained"
+        assert is_ours(vars(actor.optimizer).get("step")) is enabled
+
+
+# --- every process: the documented one-line launch change -------------------------------------
+
+_PTH_INSTALLED = any(
+    (Path(d) / "ess_patch-autoinstall.pth").exists() for d in __import__("site").getsitepackages()
+)
+
+
+@_needs(LOSS, "miles")
+@pytest.mark.skipif(
+    not _PTH_INSTALLED, reason="the .pth ships with the wheel, not editable installs"
+)
+def test_a_train_actor_started_with_the_env_var_has_the_hooks(tmp_path):
+    """What ``--train-env-vars '{"ESS_PATCH_AUTO_INSTALL": "1"}'`` gives each Ray actor."""
+    import os
+    import subprocess
+
+    code = (
+        "import miles.backends.training_utils.loss as loss\n"
+        "from ess_patch.patching import is_ours\n"
+        "print('HOOKED', is_ours(loss.compute_advantages_and_returns))\n"
+    )
+    env = {**os.environ, "ESS_PATCH_AUTO_INSTALL": "1", "PYTHONPATH": os.environ["MILES_SRC"]}
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "HOOKED True" in proc.stdout
+    env.pop("ESS_PATCH_AUTO_INSTALL")
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert "HOOKED False" in proc.stdout

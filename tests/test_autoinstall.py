@@ -1,0 +1,99 @@
+"""Every process of a job: ESS_PATCH_AUTO_INSTALL activates ess-patch with no install() call.
+
+Each case is a fresh interpreter that never calls install() itself: the
+``ess_patch-autoinstall.pth`` file the wheel puts in site-packages does it at start-up.
+"""
+
+from __future__ import annotations
+
+import os
+import site
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PTH = "ess_patch-autoinstall.pth"
+INSTALLED_PTH = [Path(d) / PTH for d in site.getsitepackages() if (Path(d) / PTH).exists()]
+NO_PTH = (
+    f"{PTH} is not in site-packages: an editable install does not ship it (tox installs the "
+    "wheel, which does)"
+)
+
+PROBE = """
+import sys
+import megatron.core.optimizer.optimizer as m
+from ess_patch.patching import is_ours
+import ess_patch
+print("WRAPPED", is_ours(vars(m.FP32Optimizer)["step"]), ess_patch.is_installed())
+"""
+
+
+def _probe(value: str | None, code: str = PROBE) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "ESS_PATCH_AUTO_INSTALL"}
+    if value is not None:
+        env["ESS_PATCH_AUTO_INSTALL"] = value
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.skipif(not INSTALLED_PTH, reason=NO_PTH)
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("1", "WRAPPED True True"),
+        ("megatron", "WRAPPED True True"),
+        (None, "WRAPPED False False"),
+        ("0", "WRAPPED False False"),
+    ],
+)
+def test_env_var_activates_the_patch_in_a_fresh_process(value, expected):
+    proc = _probe(value)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert expected in proc.stdout
+
+
+@pytest.mark.skipif(not INSTALLED_PTH, reason=NO_PTH)
+def test_a_bad_value_says_so_and_does_not_kill_the_process():
+    proc = _probe("bogus")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "WRAPPED False False" in proc.stdout
+    assert "ESS_PATCH_AUTO_INSTALL='bogus' was set but install() failed" in proc.stderr
+    assert "unknown ess-patch integration(s) 'bogus'" in proc.stderr
+
+
+@pytest.mark.skipif(not INSTALLED_PTH, reason=NO_PTH)
+def test_the_pth_line_imports_nothing_when_off():
+    proc = _probe(
+        None, "import sys; print('MODULES', 'ess_patch' in sys.modules, 'torch' in sys.modules)"
+    )
+    assert "MODULES False False" in proc.stdout
+
+
+def test_install_does_not_import_torch():
+    proc = _probe(
+        None, "import sys, ess_patch; ess_patch.install(); print('TORCH', 'torch' in sys.modules)"
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "TORCH False" in proc.stdout
+
+
+def test_requested_values():
+    from ess_patch.autoinstall import requested
+
+    assert requested({}) is None
+    assert requested({"ESS_PATCH_AUTO_INSTALL": "off"}) is None
+    assert requested({"ESS_PATCH_AUTO_INSTALL": "Yes"}) == ""
+    assert requested({"ESS_PATCH_AUTO_INSTALL": "megatron,miles"}) == "megatron,miles"
+
+
+def test_megatron_init_hook_installs_once(clean_ess):
+    import ess_patch
+    from ess_patch.autoinstall import megatron_init
+
+    megatron_init(object())
+    assert ess_patch.is_installed()
+    megatron_init(object())  # a second actor init in the same process: still installed, once
+    assert ess_patch.is_installed()
