@@ -11,9 +11,25 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from .integrations import miles as _miles
+from .integrations import slime as _slime
+from .integrations.miles import MILES_FRAMEWORK
 from .integrations.optimizer_step import step_wrapper
+from .integrations.rl_hooks import advantage_wrapper, parse_args_wrapper
+from .integrations.slime import SLIME_FRAMEWORK
 
-__all__ = ["VENDORED_MARK", "is_vendored", "optimizer_step"]
+__all__ = [
+    "VENDORED_MARK",
+    "is_vendored",
+    "miles_advantages",
+    "miles_fsdp_train_core",
+    "miles_log_train_step",
+    "miles_parse_args",
+    "optimizer_step",
+    "slime_advantages",
+    "slime_log",
+    "slime_parse_args",
+]
 
 VENDORED_MARK = "__ess_patch_vendored__"
 
@@ -29,6 +45,50 @@ def optimizer_step(method: F) -> F:
 
     setattr(step, VENDORED_MARK, True)
     return step  # type: ignore[return-value]
+
+
+def _function_hook(wrapper: Callable[..., Any]) -> Callable[[F], F]:
+    """A decorator running a module-level function through one of install()'s wrappers."""
+
+    def decorate(function: F) -> F:
+        @functools.wraps(function)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return wrapper(function, None, args, kwargs)
+
+        setattr(call, VENDORED_MARK, True)
+        return call  # type: ignore[return-value]
+
+    return decorate
+
+
+def _method_hook(wrapper: Callable[..., Any]) -> Callable[[F], F]:
+    """The same for a method: the wrapper gets the instance, as wrapt gives it."""
+
+    def decorate(method: F) -> F:
+        @functools.wraps(method)
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return wrapper(functools.partial(method, self), self, args, kwargs)
+
+        setattr(call, VENDORED_MARK, True)
+        return call  # type: ignore[return-value]
+
+    return decorate
+
+
+#: miles ``utils/arguments.py``: ``@miles_parse_args`` on ``parse_args``.
+miles_parse_args = _function_hook(parse_args_wrapper(MILES_FRAMEWORK))
+#: miles ``training_utils/loss.py``: on ``compute_advantages_and_returns``.
+miles_advantages = _function_hook(advantage_wrapper(MILES_FRAMEWORK))
+#: miles ``training_utils/log_utils.py``: on ``log_train_step``.
+miles_log_train_step = _function_hook(_miles.log_train_step_wrapper)
+#: miles ``fsdp_utils/actor.py``: on ``FSDPTrainRayActor._train_core``.
+miles_fsdp_train_core = _method_hook(_miles.fsdp_train_core_wrapper)
+#: slime ``utils/arguments.py``: on ``parse_args``.
+slime_parse_args = _function_hook(parse_args_wrapper(SLIME_FRAMEWORK))
+#: slime ``backends/megatron_utils/loss.py``: on ``compute_advantages_and_returns``.
+slime_advantages = _function_hook(advantage_wrapper(SLIME_FRAMEWORK))
+#: slime ``observability/logging_utils.py``: on ``log``.
+slime_log = _function_hook(_slime.log_wrapper)
 
 
 def is_vendored(obj: Any) -> bool:

@@ -71,7 +71,7 @@ MILES_FRAMEWORK = Framework(
 )
 
 
-def _log_train_step_wrapper(
+def log_train_step_wrapper(
     wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict
 ) -> Any:
     """Add the armed ESS metrics to the actor's ``extra_metrics``."""
@@ -86,7 +86,7 @@ def _log_train_step_wrapper(
     return wrapped(*args, **kwargs)
 
 
-def _fsdp_train_core_wrapper(
+def fsdp_train_core_wrapper(
     wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict
 ) -> Any:
     """The FSDP backend steps a plain torch optimizer: attach it (once) before training."""
@@ -115,12 +115,12 @@ MILES = Integration(
             Target(module, "", "compute_advantages_and_returns", advantage_wrapper(MILES_FRAMEWORK))
             for module in _ADVANTAGE_SITES
         ),
-        *(Target(module, "", "log_train_step", _log_train_step_wrapper) for module in _LOG_SITES),
+        *(Target(module, "", "log_train_step", log_train_step_wrapper) for module in _LOG_SITES),
         Target(
             "miles.backends.fsdp_utils.actor",
             "FSDPTrainRayActor",
             "_train_core",
-            _fsdp_train_core_wrapper,
+            fsdp_train_core_wrapper,
         ),
     ),
 )

@@ -66,7 +66,7 @@ SLIME_FRAMEWORK = Framework(
 )
 
 
-def _log_wrapper(wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict) -> Any:
+def log_wrapper(wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict) -> Any:
     """Add the armed ESS metrics to the train-step record (``step_key="train/step"``)."""
     step_key = kwargs.get("step_key", args[2] if len(args) > 2 else None)
     metrics = ess_metrics()
@@ -90,6 +90,6 @@ SLIME = Integration(
             Target(module, "", "compute_advantages_and_returns", advantage_wrapper(SLIME_FRAMEWORK))
             for module in _ADVANTAGE_SITES
         ),
-        Target("slime.observability.logging_utils", "", "log", _log_wrapper),
+        Target("slime.observability.logging_utils", "", "log", log_wrapper),
     ),
 )

@@ -381,7 +381,7 @@ def test_fsdp_plain_optimizer_is_scaled_like_the_megatron_one(clean_ess):
 def test_fsdp_actor_attaches_its_optimizer_when_enabled(clean_ess):
     from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
 
-    from ess_patch.integrations.miles import _fsdp_train_core_wrapper
+    from ess_patch.integrations.miles import fsdp_train_core_wrapper
     from ess_patch.patching import is_ours
 
     ess_patch.install("miles")
@@ -390,7 +390,7 @@ def test_fsdp_actor_attaches_its_optimizer_when_enabled(clean_ess):
         actor = FSDPTrainRayActor.__new__(FSDPTrainRayActor)
         actor.args = Namespace(use_ess_lr=enabled)
         actor.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
-        ran = _fsdp_train_core_wrapper(lambda *a, **k: "trained", actor, (), {})
+        ran = fsdp_train_core_wrapper(lambda *a, **k: "trained", actor, (), {})
         assert ran == "trained"
         assert is_ours(vars(actor.optimizer).get("step")) is enabled
 
