@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .integrations import miles as _miles
@@ -19,7 +20,9 @@ from .integrations.rl_hooks import advantage_wrapper, parse_args_wrapper
 from .integrations.slime import SLIME_FRAMEWORK
 
 __all__ = [
+    "CALL_SITES",
     "VENDORED_MARK",
+    "CallSite",
     "is_vendored",
     "miles_advantages",
     "miles_fsdp_train_core",
@@ -94,3 +97,65 @@ slime_log = _function_hook(_slime.log_wrapper)
 def is_vendored(obj: Any) -> bool:
     """Whether ``obj`` already carries an ess-patch call site from a vendored diff."""
     return bool(getattr(obj, VENDORED_MARK, False))
+
+
+@dataclass(frozen=True)
+class CallSite:
+    """Where a framework's diff (``patches/<component>/``) puts one of the decorators above.
+
+    ``path``: the file, relative to the tree root; ``owner``: the class ("" for a module-level
+    function); ``function``: what is decorated; ``decorator``: the name in this module. The
+    diff imports it as ``_ess_<decorator>`` (guarded: the identity without ess_patch).
+    """
+
+    path: str
+    owner: str
+    function: str
+    decorator: str
+
+    @property
+    def alias(self) -> str:
+        return f"_ess_{self.decorator}"
+
+    @property
+    def label(self) -> str:
+        return ".".join(p for p in (self.owner, self.function) if p)
+
+
+#: Per framework, every definition that ``install()`` wraps: the diffs decorate exactly these
+#: (re-imports by name elsewhere, e.g. ``from ...loss import compute_advantages_and_returns``
+#: in ``megatron_utils/actor.py``, get the decorated function). tools/framework_series.py
+#: writes the diffs from this table; ``ess_patch.patchset`` checks them against install().
+CALL_SITES: dict[str, tuple[CallSite, ...]] = {
+    "miles": (
+        CallSite("miles/utils/arguments.py", "", "parse_args", "miles_parse_args"),
+        CallSite(
+            "miles/backends/training_utils/loss.py",
+            "",
+            "compute_advantages_and_returns",
+            "miles_advantages",
+        ),
+        CallSite(
+            "miles/backends/training_utils/log_utils.py",
+            "",
+            "log_train_step",
+            "miles_log_train_step",
+        ),
+        CallSite(
+            "miles/backends/fsdp_utils/actor.py",
+            "FSDPTrainRayActor",
+            "_train_core",
+            "miles_fsdp_train_core",
+        ),
+    ),
+    "slime": (
+        CallSite("slime/utils/arguments.py", "", "parse_args", "slime_parse_args"),
+        CallSite(
+            "slime/backends/megatron_utils/loss.py",
+            "",
+            "compute_advantages_and_returns",
+            "slime_advantages",
+        ),
+        CallSite("slime/observability/logging_utils.py", "", "log", "slime_log"),
+    ),
+}

@@ -221,10 +221,16 @@ def arm_from_rollout(framework: Framework, args: Any, rollout_data: dict) -> Ess
         if groups.cp_size > 1:
 
             def prepare(masks: Any) -> list:
+                # A ValueError here is handled like bad input: every rank raises, none hangs.
+                lengths = [rollout_data.get(k) for k in ("total_lengths", "response_lengths")]
+                if None in lengths:
+                    raise ValueError(
+                        "rollout_data has loss_masks but no total_lengths/response_lengths: "
+                        "ESS-LR cannot slice the masks to this CP rank's tokens"
+                    )
                 return local_response_masks(
                     masks,
-                    rollout_data["total_lengths"],
-                    rollout_data["response_lengths"],
+                    *lengths,
                     groups.cp_rank,
                     groups.cp_size,
                     qkv_format=getattr(args, "qkv_format", "thd"),
