@@ -25,6 +25,8 @@ examples:
   ess-patch patches check  --target /path/to/Megatron-LM
   ess-patch patches apply  --target /path/to/Megatron-LM
   ess-patch patches revert --target /path/to/site-packages --component megatron-core
+  ess-patch patches apply  --target /path/to/miles          # the folder holding miles/
+  ess-patch patches check  --target /path/to/slime --version 624b824a8
   ess-patch patches compat > table.md
 """
 
@@ -52,14 +54,17 @@ def _fill(parser: argparse.ArgumentParser) -> None:
             type=Path,
             required=required,
             help="tree root: a Megatron-LM checkout, an unpacked megatron-core, a site-packages "
-            "folder (the folder holding megatron/core), or a miles / slime checkout",
+            "folder (the folder holding megatron/core), or a miles / slime checkout or snapshot "
+            "(the folder holding miles/ or slime/)",
         )
         p.add_argument("--component", choices=sorted(patchset.DETECTORS), help="skip detection")
         p.add_argument(
             "--version",
             dest="series_version",
             metavar="VERSION",
-            help="use patches/<component>/VERSION (default: chosen from the tree's version)",
+            help="use patches/<component>/VERSION: a megatron-core version, or a miles / slime "
+            "commit (7+ hex digits or the full hash; default: chosen from the tree's version, "
+            "git HEAD or fingerprint)",
         )
 
     p = actions.add_parser("list", help="list the shipped series (with --target: their status)")

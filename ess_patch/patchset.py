@@ -12,9 +12,12 @@ writing the real tree undoes what was written.
 
 Components are recognised by :data:`DETECTORS` (one function per component, returning a
 :class:`Tree` or None). megatron-core reads its version from ``megatron/core/package_info.py``
-(parsed, not imported) or from package metadata. A tree whose version cannot be told (a miles
-or slime checkout without git) gets ``version=None``: the series is then chosen by
-``git apply --check`` alone.
+(parsed, not imported) or from package metadata. miles and slime (series keyed by upstream
+commit) are told by the checkout's git HEAD, or, for a snapshot without git, by fingerprint:
+the git blob ids of the files a series touches, which the series itself records (the
+``index <before>..<after>`` lines of ``git format-patch --full-index``), match that commit's
+upstream files (pristine) or the patched ones. A tree matching neither gets ``version=None``:
+the series is then chosen by ``git apply --check`` alone.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import enum
+import hashlib
 import os
 import re
 import shutil
@@ -35,6 +39,7 @@ from pathlib import Path
 from packaging.version import InvalidVersion, Version
 
 from .integrations.megatron import MEGATRON
+from .vendored import CALL_SITES
 
 __all__ = [
     "DETECTORS",
@@ -47,11 +52,14 @@ __all__ = [
     "Tree",
     "UnknownTreeError",
     "apply_series",
+    "blob_id",
+    "call_site_gaps",
     "check_series",
     "decorated_methods",
     "defined_methods",
     "detect",
     "discover",
+    "fingerprint",
     "patches_dir",
     "revert_series",
     "select_series",
@@ -142,7 +150,63 @@ def patch_files(patch: Path) -> list[str]:
     return list(found)
 
 
+_COMMIT = re.compile(r"[0-9a-f]{7,40}")
+
+
+_INDEX = re.compile(r"^index ([0-9a-f]+)\.\.([0-9a-f]+)", re.MULTILINE)
+
+
+def _blob_chains(series: Series) -> dict[str, list[str]]:
+    """Per touched file, its git blob ids through the series: upstream first, then after each
+    patch that touches it (from the ``index`` lines; full ids with ``--full-index``)."""
+    chains: dict[str, list[str]] = {}
+    for patch in series.patches:
+        text = patch.read_text(encoding="utf-8")
+        heads = list(_DIFF_HEADER.finditer(text))
+        for i, head in enumerate(heads):
+            end = heads[i + 1].start() if i + 1 < len(heads) else len(text)
+            index = _INDEX.search(text, head.end(), end)
+            if index is None:
+                continue
+            chain = chains.setdefault(head.group(2), [index.group(1)])
+            chain.append(index.group(2))
+    return chains
+
+
+def blob_id(data: bytes) -> str:
+    """The id git gives a file's bytes (``git hash-object``)."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
+
+
+def fingerprint(series: Series, root: Path) -> str | None:
+    """Whether the files ``series`` touches under ``root`` are exactly its upstream's.
+
+    Returns ``"pristine"`` (every file as upstream), ``"patched"`` (as after the series),
+    ``"partly patched"`` (each file at some point of the series), or None (a file missing, or
+    any other bytes: another version, or a hand edit).
+    """
+    chains = _blob_chains(series)
+    if not chains:
+        return None
+    ends: list[tuple[bool, bool]] = []  # per file: (as upstream, as after the series)
+    for rel, chain in chains.items():
+        path = Path(root) / rel
+        if not path.is_file():
+            return None
+        mine = blob_id(path.read_bytes())
+        if not any(mine.startswith(blob) for blob in chain):
+            return None
+        ends.append((mine.startswith(chain[0]), mine.startswith(chain[-1])))
+    if all(first for first, _ in ends):
+        return "pristine"
+    if all(last for _, last in ends):
+        return "patched"
+    return "partly patched"
+
+
 def _version_key(text: str) -> tuple[int, Version | str]:
+    if _COMMIT.fullmatch(text):  # a commit (miles, slime), even one that reads as a number
+        return (1, text)
     try:
         return (0, Version(text))
     except InvalidVersion:
@@ -235,15 +299,35 @@ def _git_head(root: Path) -> str | None:
 def _package_checkout(component: str, package: str) -> Callable[[Path], Tree | None]:
     """Detector for a framework checkout holding ``<package>/__init__.py`` (miles, slime).
 
-    The version is HEAD's commit when the checkout is a git repository; a snapshot without git
-    gets None, and the series is chosen by ``git apply --check``. Hook for later: a series
-    folder may also record file fingerprints of its upstream snapshot to tell it exactly.
+    The version, in order: HEAD's commit when the checkout is a git repository whose HEAD a
+    shipped series is for; else the series whose fingerprint (:func:`fingerprint`) the files
+    match; else HEAD's commit (no series for it); else None (the series is then chosen by
+    ``git apply --check``).
     """
 
     def detect(target: Path) -> Tree | None:
         if not (target / package / "__init__.py").is_file():
             return None
-        return Tree(target, component, _git_head(target), f"{package}/__init__.py")
+        head = _git_head(target)
+        try:
+            available = discover(component)
+        except (PatchsetError, FileNotFoundError):
+            available = []
+        if head and any(_matches(s.version, head) for s in available):
+            return Tree(target, component, head, "git HEAD")
+        for series in reversed(available):  # newest folder name last: try it first
+            state = fingerprint(series, target)
+            if state is not None:
+                evidence = f"fingerprint of the {len(series.files())} files it patches: {state}"
+                return Tree(target, component, series.version, evidence)
+        if head:
+            return Tree(target, component, head, "git HEAD")
+        return Tree(
+            target,
+            component,
+            None,
+            f"{package}/__init__.py; no git HEAD, and the files match no series' upstream",
+        )
 
     return detect
 
@@ -546,8 +630,11 @@ def _write(series: Series, root: Path, patches: list[Path], *, reverse: bool) ->
 def _matches(series_version: str, tree_version: str) -> bool:
     if series_version == tree_version:
         return True
-    # commit-keyed series (miles, slime): a short hash names the full one
-    return len(series_version) >= 7 and tree_version.startswith(series_version)
+    # commit-keyed series (miles, slime): a hash prefix of 7+ digits names the commit
+    if not (_COMMIT.fullmatch(series_version) and _COMMIT.fullmatch(tree_version.lower())):
+        return False
+    short, full = sorted((series_version, tree_version.lower()), key=len)
+    return full.startswith(short)
 
 
 def _closeness(series_version: Version, mine: Version) -> tuple[int, ...]:
@@ -680,6 +767,118 @@ def megatron_core_gaps(root: Path) -> list[str]:
     return gaps
 
 
+def _module_path(module: str) -> str:
+    return "/".join(module.split(".")) + ".py"
+
+
+def _definition(
+    root: Path, module: str, owner: str, name: str, depth: int = 0
+) -> tuple[str, str, ast.FunctionDef | ast.AsyncFunctionDef] | None:
+    """Where ``module.owner.name`` is defined under ``root``: (file, owner, node), following
+    module-level ``from X import name`` re-imports (absolute or relative); None if not found."""
+    rel = _module_path(module)
+    path = Path(root, rel)
+    if not path.is_file() or depth > 8:
+        return None
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    body: list[ast.stmt] = tree.body
+    if owner:
+        cls = next((n for n in body if isinstance(n, ast.ClassDef) and n.name == owner), None)
+        if cls is None:
+            return None
+        body = cls.body
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            return rel, owner, node
+    if owner:
+        return None
+    for node in body:
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                if (alias.asname or alias.name) == name:
+                    base = module.split(".")[: -node.level] if node.level else []
+                    source = ".".join([*base, *filter(None, [node.module])])
+                    return _definition(root, source, "", alias.name, depth + 1)
+    return None
+
+
+def _decorator_names(node: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    return {d.id for d in node.decorator_list if isinstance(d, ast.Name)}
+
+
+def _vendored_imports(root: Path, rel: str) -> dict[str, str]:
+    """``{local name: name}`` of what ``rel`` imports from ``ess_patch.vendored``."""
+    path = Path(root, rel)
+    if not path.is_file():
+        return {}
+    found = {}
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module == "ess_patch.vendored":
+            for alias in node.names:
+                found[alias.asname or alias.name] = alias.name
+    return found
+
+
+def call_site_gaps(component: str) -> Callable[[Path], list[str]]:
+    """Gaps function for a framework series (miles, slime): where a patched tree and
+    ``install(component)`` disagree. A call site of ``ess_patch.vendored.CALL_SITES`` without
+    its decorator or its import; an ``install()`` target whose definition (re-imports
+    followed) is not a call site; or a function decorated with ``_ess_*`` that is not one.
+    """
+    from .install import INTEGRATIONS
+
+    def gaps(root: Path) -> list[str]:
+        sites = {(c.path, c.owner, c.function): c for c in CALL_SITES[component]}
+        out = []
+        for (rel, owner, name), site in sites.items():
+            found = _definition(root, rel[: -len(".py")].replace("/", "."), owner, name)
+            if found is None:
+                out.append(f"{site.label}: not defined in {rel}")
+            elif site.alias not in _decorator_names(found[2]):
+                out.append(f"{rel} {site.label}: install() wraps it, the series does not")
+            elif _vendored_imports(root, rel).get(site.alias) != site.decorator:
+                out.append(
+                    f"{rel} {site.label}: decorated with {site.alias}, which is not "
+                    f"ess_patch.vendored.{site.decorator}"
+                )
+        for t in INTEGRATIONS[component].targets:
+            found = _definition(root, t.module, t.owner, t.attribute)
+            if found is None:
+                out.append(f"{t.path}: install() wraps it, but it is not in the tree")
+            elif found[:2] + (found[2].name,) not in sites:
+                out.append(
+                    f"{t.path}: install() wraps it (defined in {found[0]}), the series does not"
+                )
+        files = {*(c.path for c in sites.values())}
+        files |= {_module_path(t.module) for t in INTEGRATIONS[component].targets}
+        for rel in sorted(files):
+            path = Path(root, rel)
+            if not path.is_file():
+                continue
+            for node in ast.parse(path.read_text(encoding="utf-8")).body:
+                members = [(node, "")]
+                if isinstance(node, ast.ClassDef):
+                    members = [(n, node.name) for n in node.body]
+                for fn, owner in members:
+                    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        continue
+                    ours = {d for d in _decorator_names(fn) if d.startswith("_ess_")}
+                    if ours and (rel, owner, fn.name) not in sites:
+                        label = ".".join(p for p in (owner, fn.name) if p)
+                        out.append(f"{rel} {label}: decorated, but install() does not wrap it")
+        return out
+
+    return gaps
+
+
+def _twin_files(component: str) -> tuple[str, ...]:
+    from .install import INTEGRATIONS
+
+    files = [c.path for c in CALL_SITES[component]]
+    files += [_module_path(m) for m in INTEGRATIONS[component].modules]
+    return tuple(dict.fromkeys(files))
+
+
 @dataclass(frozen=True)
 class Twin:
     """How to compare a component's series with its runtime integration: the files holding
@@ -694,13 +893,14 @@ TWINS: dict[str, Twin] = {
         files=tuple("/".join(m.split(".")) + ".py" for m in MEGATRON.modules),
         gaps=megatron_core_gaps,
     ),
+    **{c: Twin(files=_twin_files(c), gaps=call_site_gaps(c)) for c in CALL_SITES},
 }
 
 
 def series_gaps(series: Series, root: Path) -> list[str]:
-    """The gaps (see :func:`megatron_core_gaps`) that ``root`` would have once ``series`` is
-    applied (computed on a scratch copy; patches that do not apply are left out). Empty for
-    a component without a registered twin."""
+    """The gaps (see :func:`megatron_core_gaps`, :func:`call_site_gaps`) that ``root`` would
+    have once ``series`` is applied (computed on a scratch copy; patches that do not apply are
+    left out). Empty for a component without a registered twin."""
     twin = TWINS.get(series.component)
     if twin is None:
         return []

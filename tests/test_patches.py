@@ -13,10 +13,19 @@ PYTHONPATH and no ``install()``:
 And the tool: check on a patched tree says so, apply with a conflicting hand edit changes
 nothing and names the file, a dirty git tree is refused, revert restores the tree byte for
 byte, a series is applied whole or not at all.
+
+The miles and slime series, on copies of the upstream snapshots (``$MILES_SRC``,
+``$SLIME_SRC``; skipped when unset): recognised without git by fingerprint, applied, "already
+applied", reverted byte for byte, refused on a hand edit; the diff adds only the guarded import
+and the decorators install() would wrap. That the patched copies behave like install() (the
+framework tests, without it) is tests/frameworks/test_vendored_frameworks.py (tox -e
+frameworks: it needs the frameworks' dependencies).
 """
 
 from __future__ import annotations
 
+import ast
+import builtins
 import hashlib
 import importlib.metadata
 import os
@@ -29,6 +38,7 @@ from pathlib import Path
 import pytest
 
 import ess_patch
+import ess_patch.vendored
 from ess_patch import patchset
 from ess_patch.patches_cli import main as patches_main
 from ess_patch.patchset import ConflictError, DirtyTreeError, State, UnknownTreeError
@@ -421,3 +431,210 @@ def test_the_wheel_ships_the_series():
         for patch in s.patches:
             assert f"ess_patch/patches/{s.component}/{s.version}/{patch.name}" in files
     assert "ess_patch/patches/README.md" in files
+
+
+# --------------------------------------------------------------------------------------
+# miles and slime: the series on copies of the upstream snapshots ($MILES_SRC, $SLIME_SRC)
+# --------------------------------------------------------------------------------------
+
+FRAMEWORKS = {
+    # component: (env var, commit, files the series touches)
+    "miles": (
+        "MILES_SRC",
+        "31f1ca961a94cb860cec3b2dea34ec332bfa8f76",
+        (
+            "miles/utils/arguments.py",
+            "miles/backends/training_utils/loss.py",
+            "miles/backends/training_utils/log_utils.py",
+            "miles/backends/fsdp_utils/actor.py",
+        ),
+    ),
+    "slime": (
+        "SLIME_SRC",
+        "624b824a898ab0ec1fcb4d373004c7f3852bf515",
+        (
+            "slime/utils/arguments.py",
+            "slime/backends/megatron_utils/loss.py",
+            "slime/observability/logging_utils.py",
+        ),
+    ),
+}
+
+
+def _snapshot_skip(component: str) -> str | None:
+    var = FRAMEWORKS[component][0]
+    value = os.environ.get(var)
+    if not value:
+        return f"{var} is not set (it points at the upstream {component} snapshot)"
+    if not (Path(value) / component / "__init__.py").is_file():
+        return f"{var}={value} holds no {component}/__init__.py"
+    return None
+
+
+def _framework_params():
+    return [
+        pytest.param(
+            c, marks=pytest.mark.skipif(bool(_snapshot_skip(c)), reason=_snapshot_skip(c) or "")
+        )
+        for c in FRAMEWORKS
+    ]
+
+
+@pytest.fixture
+def snapshot(request, tmp_path) -> tuple[str, Path]:
+    """(component, a fresh copy of its upstream snapshot): never the snapshot itself."""
+    component = request.param
+    dest = tmp_path / component
+    shutil.copytree(os.environ[FRAMEWORKS[component][0]], dest)
+    return component, dest
+
+
+def _framework_test(fn):
+    return pytest.mark.parametrize("snapshot", _framework_params(), indirect=True)(fn)
+
+
+@_framework_test
+def test_framework_series_applies_to_the_snapshot_and_check_says_already_applied(snapshot, capsys):
+    component, tree = snapshot
+    _, commit, touched = FRAMEWORKS[component]
+    found = patchset.detect(tree)
+    # a snapshot without git: told by the blob ids the series records
+    assert (found.component, found.version) == (component, commit[:9])
+    assert found.evidence.startswith("fingerprint") and found.evidence.endswith("pristine")
+    series, statuses = patchset.select_series(found)
+    assert series.name == f"{component}/{commit[:9]}"
+    assert [s.state for s in statuses] == [State.APPLICABLE]
+    assert sorted(series.files()) == sorted(touched)
+    assert patchset.series_gaps(series, tree) == []  # decorates exactly what install() wraps
+    before = _tree_hashes(tree)
+    rc, out, _ = _cli(capsys, "apply", "--target", str(tree))
+    assert rc == 0 and "result: applied 1 patch(es)" in out, out
+    after = _tree_hashes(tree)
+    assert {k for k in before if before[k] != after[k]} == set(touched)
+    rc, out, _ = _cli(capsys, "check", "--target", str(tree))
+    assert rc == 0 and "result: already applied" in out, out
+    assert "fingerprint of the" in out and ": patched)" in out
+    rc, out, _ = _cli(capsys, "apply", "--target", str(tree))
+    assert rc == 0 and "result: already applied" in out
+    assert _tree_hashes(tree) == after
+
+
+@_framework_test
+def test_framework_series_adds_only_guarded_imports_and_decorators(snapshot):
+    component, tree = snapshot
+    series = patchset.select_series(patchset.detect(tree))[0]
+    added = [
+        line[1:]
+        for patch in series.patches
+        for line in patch.read_text().splitlines()
+        if line.startswith("+") and not line.startswith("+++")
+    ]
+    decorators = [line.strip() for line in added if line.strip().startswith("@")]
+    sites = ess_patch.vendored.CALL_SITES[component]
+    assert sorted(decorators) == sorted(f"@{s.alias}" for s in sites)
+    imports = [line.strip() for line in added if "import" in line and "ess_patch" in line]
+    assert sorted(i for i in imports if i.startswith("from ")) == sorted(
+        f"from ess_patch.vendored import {s.decorator} as {s.alias}" for s in sites
+    )
+    # the guard: the identity only when ess_patch itself is missing
+    patchset.apply_series(series, tree)
+    for site in sites:
+        guard = _guard_block(tree / site.path)
+        assert _run_guard(guard, site.alias, missing=None) is getattr(
+            ess_patch.vendored, site.decorator
+        )
+        decorate = _run_guard(guard, site.alias, missing="ess_patch")
+        assert decorate(len) is len
+        with pytest.raises(ModuleNotFoundError, match="wrapt"):
+            _run_guard(guard, site.alias, missing="wrapt")  # ess_patch installed but broken
+
+
+def _guard_block(path: Path) -> ast.Module:
+    """The diff's ``try: from ess_patch.vendored import ... except ...`` block in ``path``."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Try) and any(
+            isinstance(n, ast.ImportFrom) and n.module == "ess_patch.vendored" for n in node.body
+        ):
+            return ast.Module(body=[node], type_ignores=[])
+    raise AssertionError(f"no guarded ess_patch import in {path}")
+
+
+def _run_guard(guard: ast.Module, alias: str, *, missing: str | None):
+    """Run the guard with the import of ``ess_patch.vendored`` failing as if ``missing`` (a
+    module name) were not installed; return what it binds to ``alias``."""
+    real = builtins.__import__
+
+    def fake(name, *args, **kwargs):
+        if missing is not None and name.startswith("ess_patch"):
+            raise ModuleNotFoundError(f"No module named {missing!r}", name=missing)
+        return real(name, *args, **kwargs)
+
+    namespace: dict = {"__name__": "patched_module"}
+    builtins.__import__ = fake
+    try:
+        exec(compile(guard, "<guard>", "exec"), namespace)
+    finally:
+        builtins.__import__ = real
+    return namespace[alias]
+
+
+@_framework_test
+def test_framework_revert_restores_the_snapshot_byte_for_byte(snapshot, capsys):
+    component, tree = snapshot
+    pristine = _tree_hashes(Path(os.environ[FRAMEWORKS[component][0]]))
+    assert _tree_hashes(tree) == pristine
+    assert _cli(capsys, "apply", "--target", str(tree))[0] == 0
+    assert _tree_hashes(tree) != pristine
+    rc, out, _ = _cli(capsys, "revert", "--target", str(tree))
+    assert rc == 0 and "result: reverted 1 patch(es)" in out
+    assert _tree_hashes(tree) == pristine
+    rc, out, _ = _cli(capsys, "revert", "--target", str(tree))
+    assert rc == 0 and "result: not applied" in out
+
+
+@_framework_test
+def test_framework_conflicting_hand_edit_is_refused_naming_the_file(snapshot, capsys):
+    component, tree = snapshot
+    site = ess_patch.vendored.CALL_SITES[component][1]  # compute_advantages_and_returns
+    edited = tree / site.path
+    text = edited.read_text()
+    old = f"def {site.function}("
+    assert text.count(old) == 1
+    edited.write_text(text.replace(old, f"def {site.function}(  # local change\n    "))
+    before = _tree_hashes(tree)
+    rc, _, err = _cli(capsys, "apply", "--target", str(tree))
+    assert rc == 1
+    assert f"conflicting {site.path}" in err and "Nothing was changed" in err, err
+    others = [p for p in FRAMEWORKS[component][2] if p != site.path]
+    assert not any(p in err for p in others)  # only the file that conflicts is named
+    assert _tree_hashes(tree) == before
+    rc, out, _ = _cli(capsys, "check", "--target", str(tree))
+    assert rc == 1 and f"conflicting: {site.path}" in out
+    # a hand-edited tree matches no fingerprint: its version is unknown, and said so
+    assert "version unknown" in out
+
+
+@_framework_test
+def test_framework_commit_is_selectable_and_a_git_checkout_is_recognised(snapshot, capsys):
+    component, tree = snapshot
+    commit = FRAMEWORKS[component][1]
+    for name in (commit, commit[:7], commit[:9]):
+        rc, out, _ = _cli(capsys, "check", "--target", str(tree), "--version", name)
+        assert rc == 0 and f"series: {component}/{commit[:9]}" in out, out
+    rc, _, err = _cli(capsys, "check", "--target", str(tree), "--version", "0123456")
+    assert rc == 1 and f"no {component} series '0123456'" in err
+    # a git checkout at another commit whose touched files are the same: fingerprint again
+    _git(tree, "init", "-q", ".")
+    _git(tree, "add", "-A")
+    _git(tree, "commit", "-q", "-m", f"vendored {component}")
+    found = patchset.detect(tree)
+    assert found.version == commit[:9] and found.evidence.startswith("fingerprint")
+    # a dirty git tree is refused; apply then revert leaves it clean
+    target = tree / FRAMEWORKS[component][2][0]
+    target.write_text(target.read_text() + "\n# local change\n")
+    rc, _, err = _cli(capsys, "apply", "--target", str(tree))
+    assert rc == 1 and "uncommitted changes in" in err
+    _git(tree, "checkout", "-q", "--", ".")
+    assert _cli(capsys, "apply", "--target", str(tree))[0] == 0
+    assert _cli(capsys, "revert", "--target", str(tree))[0] == 0
+    assert _git(tree, "status", "--porcelain") == ""

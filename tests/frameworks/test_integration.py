@@ -8,13 +8,22 @@
 - miles' real ``train()`` -> ``train_one_step`` -> optimizer / scheduler -> ``log_train_step``
   shows the scaled update, the restored LR and the metrics; slime's real ``log`` gets them;
 - the FSDP backend's plain torch optimizer and miles' own FSDP LR scheduler.
+
+With ``ESS_PATCH_TEST_MODE=vendored`` the same tests run against trees patched with
+``patches/`` (``MILES_SRC`` / ``SLIME_SRC`` pointing at patched copies, a patched megatron-core
+first on ``PYTHONPATH``) and never call ``install()``: where a test would install, it checks
+that every target it can see carries the diff's call site instead, and its "plain" baseline
+is the upstream function under the decorator. tests/frameworks/test_vendored_frameworks.py
+runs it that way.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import io
+import os
 import sys
 from argparse import Namespace
 from pathlib import Path
@@ -33,6 +42,62 @@ import ess_patch
 FULL = {fw: skip_reason(fw, "full") for fw in ("miles", "slime")}
 LOSS = {fw: skip_reason(fw, "loss") for fw in ("miles", "slime")}
 
+# The trees on the path are patched with patches/ (see the module docstring).
+VENDORED = os.environ.get("ESS_PATCH_TEST_MODE") == "vendored"
+
+
+def _install(integrations) -> None:
+    """``ess_patch.install(integrations)``; in vendored mode, a check that every target of
+    theirs whose module is imported already calls ess-patch through the diff, instead."""
+    if not VENDORED:
+        ess_patch.install(integrations)
+        return
+    from ess_patch.install import INTEGRATIONS
+    from ess_patch.vendored import is_vendored
+
+    names = [integrations] if isinstance(integrations, str) else list(integrations)
+    seen = 0
+    for name in names:
+        for target in INTEGRATIONS[name].targets:
+            if target.module not in sys.modules:
+                continue
+            owner = importlib.import_module(target.module)
+            for part in filter(None, target.owner.split(".")):
+                owner = getattr(owner, part)
+            value = vars(owner).get(target.attribute)
+            if value is None and not target.required:
+                continue
+            assert is_vendored(value), f"{target.path} is not patched (vendored mode)"
+            seen += 1
+    assert seen, f"vendored mode: no target of {names} is imported yet"
+    assert not ess_patch.is_installed()
+
+
+def _hooked(obj) -> bool:
+    """Whether ess-patch's hook is on ``obj``: install()'s wrapper, or the diff's call site."""
+    from ess_patch.patching import is_ours
+    from ess_patch.vendored import is_vendored
+
+    return is_vendored(obj) if VENDORED else is_ours(obj)
+
+
+@contextlib.contextmanager
+def _upstream(module, name: str):
+    """``module.name`` as upstream wrote it, for a baseline: in vendored mode the function
+    under the diff's decorator; else unchanged (install() has not run yet)."""
+    if not VENDORED:
+        yield
+        return
+    from ess_patch.vendored import is_vendored
+
+    decorated = getattr(module, name)
+    assert is_vendored(decorated), f"{module.__name__}.{name} is not patched (vendored mode)"
+    setattr(module, name, decorated.__wrapped__)
+    try:
+        yield
+    finally:
+        setattr(module, name, decorated)
+
 
 def _needs(tier: dict, fw: str):
     return pytest.mark.skipif(tier[fw] is not None, reason=tier[fw] or "")
@@ -47,8 +112,10 @@ def _framework_params(tier: dict):
 
 @pytest.mark.parametrize("fw", _framework_params(FULL))
 def test_parser_accepts_the_flags_and_changes_no_default(fw, clean_ess):
-    plain = parse_upstream_args(fw, MINIMAL_ARGV)
-    ess_patch.install(fw)
+    args_module = importlib.import_module(f"{fw}.utils.arguments")
+    with _upstream(args_module, "parse_args"):
+        plain = parse_upstream_args(fw, MINIMAL_ARGV)
+    _install(fw)
     off = parse_upstream_args(fw, MINIMAL_ARGV)
     on = parse_upstream_args(fw, [*MINIMAL_ARGV, "--use-ess-lr", "--ess-lr-floor", "0.2"])
     assert on.use_ess_lr is True and on.ess_lr_floor == 0.2
@@ -70,7 +137,7 @@ def test_parser_accepts_the_flags_and_changes_no_default(fw, clean_ess):
 @pytest.mark.parametrize("fw", _framework_params(FULL))
 @pytest.mark.parametrize("floor", ["0", "1.5", "abc"])
 def test_parser_rejects_a_bad_floor(fw, floor, clean_ess):
-    ess_patch.install(fw)
+    _install(fw)
     stderr = io.StringIO()
     with pytest.raises(SystemExit) as info, contextlib.redirect_stderr(stderr):
         parse_upstream_args(fw, [*MINIMAL_ARGV, "--use-ess-lr", "--ess-lr-floor", floor])
@@ -81,7 +148,7 @@ def test_parser_rejects_a_bad_floor(fw, floor, clean_ess):
 
 @pytest.mark.parametrize("fw", _framework_params(FULL))
 def test_parser_rejects_settings_that_never_give_train_log_probs(fw, clean_ess):
-    ess_patch.install(fw)
+    _install(fw)
     argv = [*MINIMAL_ARGV, "--use-ess-lr", "--use-rollout-logprobs"]
     with pytest.raises(ValueError, match="--use-rollout-logprobs without --get-mismatch-metrics"):
         parse_upstream_args(fw, argv)
@@ -91,7 +158,7 @@ def test_parser_rejects_settings_that_never_give_train_log_probs(fw, clean_ess):
 
 @pytest.mark.parametrize("fw", _framework_params(FULL))
 def test_user_custom_arguments_still_apply(fw, clean_ess):
-    ess_patch.install(fw)
+    _install(fw)
 
     def add(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         parser.add_argument("--my-flag", type=int, default=7)
@@ -173,10 +240,11 @@ def rank_advantage_hook(fw: str) -> dict:
     dp_size = mpu.get_data_parallel_world_size(with_context_parallel=False)
     _, batch = _local_batch(slice_log_prob_with_cp, dp_rank, dp_size)
 
-    plain, plain_calls = _advantages(
-        loss.compute_advantages_and_returns, _host_args(fw, True), batch
-    )
-    ess_patch.install(fw)
+    with _upstream(loss, "compute_advantages_and_returns"):
+        plain, plain_calls = _advantages(
+            loss.compute_advantages_and_returns, _host_args(fw, True), batch
+        )
+    _install(fw)
     off, off_calls = _advantages(loss.compute_advantages_and_returns, _host_args(fw, False), batch)
     armed_when_off = ess_patch.armed()
     on, on_calls = _advantages(loss.compute_advantages_and_returns, _host_args(fw, True), batch)
@@ -184,7 +252,8 @@ def rank_advantage_hook(fw: str) -> dict:
     critic_args = _host_args(fw, True)
     critic_args.loss_type = "value_loss"
     _advantages(loss.compute_advantages_and_returns, critic_args, batch)
-    ess_patch.uninstall()
+    if not VENDORED:
+        ess_patch.uninstall()
     return {
         "off_identical": all(torch.equal(a, b) for a, b in zip(plain, off, strict=True)),
         "on_identical": all(torch.equal(a, b) for a, b in zip(plain, on, strict=True)),
@@ -241,7 +310,13 @@ def _one_rollout_batch() -> dict:
 def test_miles_train_step_scales_once_restores_the_lr_and_logs(world, clean_ess, monkeypatch):
     from megatron_cpu import batch, build_megatron_optimizer, param_triples
 
-    ess_patch.install(["megatron", "miles"])
+    if VENDORED:  # what install() would also hook once imported: import it to check it
+        from ess_patch.install import INTEGRATIONS
+
+        for integration in ("megatron", "miles"):
+            for name in INTEGRATIONS[integration].modules:
+                importlib.import_module(name)
+    _install(["megatron", "miles"])
     argv = [*MINIMAL_ARGV, "--lr", "1e-2", "--use-ess-lr", "--ess-lr-weight-mode", "product"]
     args = parse_upstream_args("miles", argv)
     import miles.backends.megatron_utils.model as model_module
@@ -314,7 +389,7 @@ def test_miles_train_step_scales_once_restores_the_lr_and_logs(world, clean_ess,
 def test_slime_train_log_gets_the_metrics(clean_ess, monkeypatch):
     import slime.observability.logging_utils as logging_utils
 
-    ess_patch.install("slime")
+    _install("slime")
     logged = []
     monkeypatch.setattr(logging_utils, "wandb", Namespace(log=logged.append))
     args = Namespace(use_wandb=True, use_tensorboard=False)
@@ -384,8 +459,8 @@ def test_fsdp_actor_attaches_its_optimizer_when_enabled(clean_ess):
     from ess_patch.integrations.miles import fsdp_train_core_wrapper
     from ess_patch.patching import is_ours
 
-    ess_patch.install("miles")
-    assert is_ours(vars(FSDPTrainRayActor)["_train_core"])
+    _install("miles")
+    assert _hooked(vars(FSDPTrainRayActor)["_train_core"])
     for enabled in (False, True):
         actor = FSDPTrainRayActor.__new__(FSDPTrainRayActor)
         actor.args = Namespace(use_ess_lr=enabled)
@@ -407,14 +482,19 @@ _PTH_INSTALLED = any(
     not _PTH_INSTALLED, reason="the .pth ships with the wheel, not editable installs"
 )
 def test_a_train_actor_started_with_the_env_var_has_the_hooks(tmp_path):
-    """What ``--train-env-vars '{"ESS_PATCH_AUTO_INSTALL": "1"}'`` gives each Ray actor."""
-    import os
+    """What ``--train-env-vars '{"ESS_PATCH_AUTO_INSTALL": "1"}'`` gives each Ray actor.
+
+    Vendored mode: the patched tree has the hook with or without the variable, and the
+    auto-install that the variable triggers does not wrap it a second time.
+    """
     import subprocess
 
     code = (
         "import miles.backends.training_utils.loss as loss\n"
         "from ess_patch.patching import is_ours\n"
-        "print('HOOKED', is_ours(loss.compute_advantages_and_returns))\n"
+        "from ess_patch.vendored import is_vendored\n"
+        "f = loss.compute_advantages_and_returns\n"
+        "print('HOOKED', is_ours(f), 'VENDORED', is_vendored(f))\n"
     )
     env = {**os.environ, "ESS_PATCH_AUTO_INSTALL": "1", "PYTHONPATH": os.environ["MILES_SRC"]}
     proc = subprocess.run(
@@ -426,7 +506,9 @@ def test_a_train_actor_started_with_the_env_var_has_the_hooks(tmp_path):
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "HOOKED True" in proc.stdout
+    assert ("HOOKED False VENDORED True" if VENDORED else "HOOKED True VENDORED False") in (
+        proc.stdout
+    )
     env.pop("ESS_PATCH_AUTO_INSTALL")
     proc = subprocess.run(
         [sys.executable, "-c", code],
@@ -436,4 +518,4 @@ def test_a_train_actor_started_with_the_env_var_has_the_hooks(tmp_path):
         timeout=120,
         cwd=tmp_path,
     )
-    assert "HOOKED False" in proc.stdout
+    assert f"HOOKED False VENDORED {VENDORED}" in proc.stdout

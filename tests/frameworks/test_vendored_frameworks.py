@@ -1,0 +1,161 @@
+"""The patches/ series on the real miles, slime and megatron-core code, without install().
+
+Copies of the upstream snapshots (``$MILES_SRC``, ``$SLIME_SRC``) and of the installed
+megatron-core are patched with ``ess-patch patches apply`` in a scratch folder. Then, in fresh
+processes that see only the patched copies:
+
+- the framework tests (test_integration.py, ``ESS_PATCH_TEST_MODE=vendored``) pass with no
+  ``install()`` and none of them skipped (except the one about the ``.pth`` file, which an
+  editable install lacks, as in the default mode);
+- ``install()`` on the patched trees wraps nothing and says why, once per target.
+
+Needs the frameworks' dependencies (tox -e frameworks); skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from upstream import ENV_VARS, skip_reason
+
+from ess_patch import patchset
+from ess_patch.patches_cli import main as patches_main
+
+FRAMEWORKS = Path(__file__).resolve().parent
+TESTS = FRAMEWORKS.parent
+REASON = skip_reason("miles", "full") or skip_reason("slime", "full")
+pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+# The one test that may skip in vendored mode, as in the default one: the .pth file ships
+# with a wheel, not with an editable install.
+ALLOWED_SKIP = "the .pth ships with the wheel"
+
+
+def _apply(target: Path, component: str) -> None:
+    assert patches_main(["apply", "--target", str(target), "--component", component]) == 0
+    assert patches_main(["check", "--target", str(target), "--component", component]) == 0
+    tree = patchset.detect(target, component)
+    series, statuses = patchset.select_series(tree)
+    assert {s.state for s in statuses} == {patchset.State.APPLIED}, series.name
+    assert patchset.series_gaps(series, tree.root) == []
+
+
+@pytest.fixture(scope="module")
+def patched(tmp_path_factory) -> dict[str, Path]:
+    """{"miles", "slime": patched snapshot copies; "megatron": a folder holding a patched
+    copy of the installed megatron/core}."""
+    root = tmp_path_factory.mktemp("vendored")
+    out = {}
+    for component in ("miles", "slime"):
+        out[component] = root / component
+        shutil.copytree(os.environ[ENV_VARS[component]], out[component])
+        _apply(out[component], component)
+    spec = importlib.util.find_spec("megatron.core")
+    assert spec is not None and spec.submodule_search_locations
+    out["megatron"] = root / "megatron-core"
+    shutil.copytree(
+        spec.submodule_search_locations[0],
+        out["megatron"] / "megatron" / "core",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    _apply(out["megatron"], "megatron-core")
+    return out
+
+
+def _env(patched: dict[str, Path], **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(MILES_SRC=str(patched["miles"]), SLIME_SRC=str(patched["slime"]), **extra)
+    paths = [str(patched["megatron"]), str(TESTS), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
+    env.pop("ESS_PATCH_AUTO_INSTALL", None)
+    return env
+
+
+def test_framework_tests_pass_on_the_patched_trees_without_install(patched, tmp_path):
+    report = tmp_path / "report.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
+    cmd += ["-p", "no:randomly", "--rootdir", str(TESTS.parent), f"--junitxml={report}"]
+    cmd.append(str(FRAMEWORKS / "test_integration.py"))
+    result = subprocess.run(
+        cmd,
+        cwd=tmp_path,
+        env=_env(patched, ESS_PATCH_TEST_MODE="vendored"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    tail = result.stdout[-4000:] + result.stderr[-2000:]
+    assert result.returncode == 0, tail
+    cases = ET.parse(report).getroot().iter("testcase")
+    passed, skipped = [], []
+    for case in cases:
+        skip = case.find("skipped")
+        (passed if skip is None else skipped).append((case.get("name"), skip))
+    names = {name for name, _ in passed}
+    for fw in ("miles", "slime"):
+        assert {
+            f"test_parser_accepts_the_flags_and_changes_no_default[{fw}]",
+            f"test_parser_rejects_settings_that_never_give_train_log_probs[{fw}]",
+            f"test_user_custom_arguments_still_apply[{fw}]",
+            f"test_advantage_hook_arms_the_reference_scale_on_every_rank[{fw}]",
+        } <= names, tail
+    assert {
+        "test_miles_train_step_scales_once_restores_the_lr_and_logs",
+        "test_slime_train_log_gets_the_metrics",
+        "test_fsdp_actor_attaches_its_optimizer_when_enabled",
+    } <= names, tail
+    assert len(passed) + len(skipped) >= 19, tail
+    for name, skip in skipped:
+        assert ALLOWED_SKIP in (skip.get("message") or ""), f"{name} skipped: {tail}"
+
+
+def test_install_wraps_nothing_on_the_patched_trees_and_says_why(patched, tmp_path):
+    code = f"""
+import importlib, logging, sys
+sys.path.insert(0, {str(FRAMEWORKS)!r})
+from upstream import skip_reason
+assert skip_reason("miles", "full") is None and skip_reason("slime", "full") is None
+import ess_patch
+from ess_patch.install import INTEGRATIONS
+from ess_patch.vendored import is_vendored
+marked = 0
+for name in ("megatron", "miles", "slime"):
+    for module in INTEGRATIONS[name].modules:
+        importlib.import_module(module)
+    for t in INTEGRATIONS[name].targets:
+        owner = sys.modules[t.module]
+        for part in filter(None, t.owner.split(".")):
+            owner = getattr(owner, part)
+        value = vars(owner).get(t.attribute)
+        assert value is not None or not t.required, t.path
+        if value is not None:
+            assert is_vendored(value), t.path + " is not patched"
+            marked += 1
+# after the imports: miles and slime configure the root logger when imported
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s", force=True)
+ess_patch.install(["megatron", "miles", "slime"])
+print("WRAPPED", ess_patch.installed_targets())
+print("MARKED", marked)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=_env(patched),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "WRAPPED []" in result.stdout
+    marked = int(result.stdout.split("MARKED ")[1].split()[0])
+    assert marked == 8 + 8 + 4  # megatron-core 0.16.1, miles, slime: every target
+    assert result.stdout.count("already calls ess-patch (vendored diff") == marked
