@@ -118,35 +118,50 @@ def trajectory_stats(
     rollout_log_probs: Sequence[torch.Tensor],
     loss_masks: Sequence[torch.Tensor],
 ) -> torch.Tensor:
-    """Per-trajectory ``[sum of masked d_t, masked finite tokens, masked non-finite tokens]``.
+    """Per-trajectory ``[sum of masked d_t, masked tokens, non-finite flag]``.
 
-    Returns a float64 tensor of shape ``[B, 3]``. Non-finite log-ratios are counted in
-    column 2 and left out of the sum, so that a sum over ranks stays meaningful. A mask
-    entry counts when it is non-zero.
+    Returns a float64 tensor of shape ``[B, 3]``. A trajectory whose masked log-ratios
+    include a NaN/inf (or whose sum is not finite) gets sum 0 and flag 1, so that a sum
+    over ranks stays meaningful and still marks it. A mask entry counts when it is non-zero.
+
+    Cost: a fixed number of tensor operations whatever B (one kernel launch each on a GPU,
+    no host synchronisation): three concatenations, one widening to float64 (the
+    subtraction ``lp - rlp`` of fp32/bf16 inputs is then exact), one masked fill and two
+    segment sums (``torch.segment_reduce`` over the lengths, in float64, sequential within
+    each trajectory: the masked log-ratios, then the masked-out token counts in the same
+    buffer). No per-token segment index and no per-token finiteness test are built: a
+    non-finite masked d_t makes its trajectory's float64 sum non-finite (finite fp32/bf16
+    inputs cannot overflow a float64 sum).
     """
     validate_inputs(log_probs, rollout_log_probs, loss_masks)
     num = len(log_probs)
     if num == 0:
         return torch.zeros((0, 3), dtype=_ACC)
     device = log_probs[0].device
-    lengths = [t.shape[0] for t in log_probs]
-    total = sum(lengths)
-    lp = torch.cat(list(log_probs)).to(_ACC)
-    rlp = torch.cat(list(rollout_log_probs)).to(_ACC)
-    mask = torch.cat(list(loss_masks)) != 0  # one op whatever B (no per-sample casts)
-    segment = torch.repeat_interleave(
-        torch.arange(num, device=device),
-        torch.tensor(lengths, device=device),
-        output_size=total,
+    offsets = [0]
+    for t in log_probs:
+        offsets.append(offsets[-1] + t.shape[0])
+    bounds = torch.tensor(offsets, dtype=torch.int64)
+    if device.type != "cpu":
+        # pinned + non_blocking: the upload does not wait for the device (no host sync)
+        bounds = bounds.pin_memory().to(device, non_blocking=True)
+    lengths = bounds.diff()
+    lp = torch.cat(list(log_probs))  # same-dtype concatenations: one op each whatever B
+    rlp = torch.cat(list(rollout_log_probs))
+    unmasked = torch.cat(list(loss_masks)) == 0
+    diff = lp.to(_ACC)  # a fresh float64 copy (cat's own output if the inputs are float64)
+    del lp
+    diff.sub_(rlp)  # computed in float64: exact for fp32/bf16 inputs
+    del rlp
+    diff.masked_fill_(unmasked, 0.0)  # masked-out tokens are ignored even when NaN
+    sums = torch.segment_reduce(diff, "sum", lengths=lengths, unsafe=True)
+    diff.copy_(unmasked)  # reuse the buffer: per-trajectory count of masked-out tokens
+    skipped = torch.segment_reduce(diff, "sum", lengths=lengths, unsafe=True)
+    del diff
+    finite = torch.isfinite(sums)
+    return torch.stack(
+        [torch.where(finite, sums, 0.0), lengths.to(_ACC) - skipped, (~finite).to(_ACC)], 1
     )
-    diff = lp - rlp
-    finite = torch.isfinite(diff)
-    good = mask & finite
-    stats = torch.zeros((num, 3), dtype=_ACC, device=device)
-    stats[:, 0].index_add_(0, segment, torch.where(good, diff, 0.0))
-    stats[:, 1].index_add_(0, segment, good.to(_ACC))
-    stats[:, 2].index_add_(0, segment, (mask & ~finite).to(_ACC))
-    return stats
 
 
 def summarize(
@@ -210,8 +225,10 @@ def combine(summaries: torch.Tensor) -> torch.Tensor:
         out[col] = summaries[:, col].sum()
     has_bad = summaries[:, _N_BAD] > 0
     first = torch.argmax(has_bad.to(torch.int8))  # first row with a bad trajectory
-    out[_BAD_INDEX] = summaries[first, _BAD_INDEX]
-    out[_RANK] = summaries[first, _RANK]
+    # index_select with a tensor index: no .item() (a host sync on a GPU)
+    row = summaries.index_select(0, first.reshape(1))[0]
+    out[_BAD_INDEX] = row[_BAD_INDEX]
+    out[_RANK] = row[_RANK]
     return out
 
 

@@ -1,0 +1,93 @@
+"""Shared helpers: timing, aten-op counting, tables, the path to the test helpers."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
+
+
+def use_test_helpers() -> None:
+    """Make ``tests/`` importable (``harness``, ``megatron_cpu``, ``test_reduction_dist``)."""
+    for path in (str(TESTS), str(ROOT)):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten operators dispatched inside the block (each one is a kernel launch
+    on a GPU; ops that only make views or metadata are counted too, so this is an upper
+    bound on launches)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+
+def count_ops(fn: Callable[[], object]) -> int:
+    with OpCounter() as counter:
+        fn()
+    return counter.total
+
+
+def interleaved_times(
+    fns: dict[str, Callable[[], object]], repeats: int, *, warmup: int = 1
+) -> dict[str, list[float]]:
+    """Wall times (s) of each function, run round-robin ``repeats`` times after ``warmup``
+    rounds, so that drift (frequency, other load) hits every variant alike."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for rnd in range(warmup + repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - start
+            if rnd >= warmup:
+                times[name].append(elapsed)
+    return times
+
+
+def min_med(values: Sequence[float]) -> tuple[float, float]:
+    return min(values), statistics.median(values)
+
+
+def fmt_ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    if ms >= 100:
+        return f"{ms:.0f}"
+    if ms >= 10:
+        return f"{ms:.1f}"
+    return f"{ms:.2f}" if ms >= 1 else f"{ms:.3f}"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]], title: str = "") -> str:
+    """A GitHub-markdown table (readable as plain text too)."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    if title:
+        lines += [title, ""]
+    for k, row in enumerate(cells):
+        lines.append("| " + " | ".join(c.rjust(w) for c, w in zip(row, widths)) + " |")
+        if k == 0:
+            lines.append("|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "MISSED"

@@ -1,0 +1,145 @@
+"""Benchmark 1: the estimator's cost against the batch size, with two baselines.
+
+- ``ess_patch``: ``ess_patch.compute_ess_lr`` in one process (validation, per-trajectory
+  table, summary, the final ``.tolist()``), as a training loop calls it.
+- ``loop``: the obvious implementation: a Python loop over the trajectories (masked float64
+  sum and count per sample), then the ESS formula on the stacked sums. Each of its ops is
+  vectorised over one trajectory, so on a CPU it is hard to beat; on a GPU it launches
+  ~7 kernels per trajectory.
+- ``floor``: reading the inputs once: concatenate each of the three lists and sum it
+  (no dtype conversion). No estimator can be cheaper than this.
+
+Times are wall-clock seconds of the whole call (min and median over interleaved repeats);
+the op count is the number of aten operators dispatched (``TorchDispatchMode``), which is
+the number of kernel launches on a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ess_patch import compute_ess_lr
+
+from .common import count_ops, fmt_ms, interleaved_times, min_med, table, verdict
+
+MIN_LEN, MAX_LEN = 100, 4000
+
+
+def make_batch(num: int, seed: int = 0):
+    """``num`` trajectories with lengths uniform in [100, 4000]: fp32 log-probs, int32 masks
+    (~10% of tokens masked out), off-policy enough that rho < 1."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(MIN_LEN, MAX_LEN + 1, (num,), generator=gen).tolist()
+    total = sum(lengths)
+    rollout = torch.rand(total, generator=gen).mul_(-3.0)
+    lag = torch.randn(num, generator=gen).mul_(0.02).repeat_interleave(torch.tensor(lengths))
+    train = torch.randn(total, generator=gen).mul_(0.05).add_(rollout).add_(lag)
+    mask = (torch.rand(total, generator=gen) > 0.1).to(torch.int32)
+    return (
+        list(train.split(lengths)),
+        list(rollout.split(lengths)),
+        list(mask.split(lengths)),
+    )
+
+
+def loop_ess(log_probs, rollout_log_probs, loss_masks) -> float:
+    """The straightforward per-trajectory implementation (geometric mode); returns rho."""
+    sums, counts = [], []
+    for lp, rlp, mask in zip(log_probs, rollout_log_probs, loss_masks, strict=True):
+        keep = mask != 0
+        d = lp.double() - rlp.double()
+        sums.append(torch.where(keep, d, 0.0).sum())
+        counts.append(keep.sum())
+    total, count = torch.stack(sums), torch.stack(counts)
+    valid = count > 0
+    m = torch.where(valid, total / count.clamp_min(1), -math.inf)
+    w = torch.exp(m - m.max())
+    ess, n = (w.sum() ** 2 / (w * w).sum()).item(), valid.sum().item()
+    return min(1.0, max(1.0 / n, ess / n))
+
+
+def read_once(log_probs, rollout_log_probs, loss_masks) -> list:
+    """The floor: every input byte read once (concatenate, then sum without conversion)."""
+    sums = [
+        torch.cat(list(seq)).sum(dtype=seq[0].dtype)
+        for seq in (log_probs, rollout_log_probs, loss_masks)
+    ]
+    return [s.item() for s in sums]
+
+
+def run(sizes, repeats, thread_counts) -> tuple[str, dict[str, bool]]:
+    default_threads = torch.get_num_threads()
+    rows, ok_ops, ok_loop, ok_floor = [], True, True, True
+    ess_ops = set()
+    for num in sizes:
+        batch = make_batch(num)
+        tokens = sum(t.shape[0] for t in batch[0])
+        fns = {
+            "ess": lambda b=batch: compute_ess_lr(*b),
+            "loop": lambda b=batch: loop_ess(*b),
+            "floor": lambda b=batch: read_once(*b),
+        }
+        ops = {name: count_ops(fn) for name, fn in fns.items()}
+        ess_ops.add(ops["ess"])
+        rho_ess, rho_loop = compute_ess_lr(*batch).rho, loop_ess(*batch)
+        agree = abs(rho_ess - rho_loop) / rho_loop
+        for threads in thread_counts:
+            torch.set_num_threads(threads)
+            times = interleaved_times(fns, repeats[num])
+            (e_min, e_med), (l_min, l_med), (f_min, f_med) = (
+                min_med(times[k]) for k in ("ess", "loop", "floor")
+            )
+            vs_loop, vs_floor = e_med / l_med, e_med / f_med
+            ok_loop &= vs_loop <= 2.0
+            if num >= 1024:
+                ok_floor &= vs_floor <= 3.0
+            rows.append(
+                [
+                    num,
+                    f"{tokens / 1e6:.1f}M",
+                    threads,
+                    f"{fmt_ms(e_min)} / {fmt_ms(e_med)}",
+                    f"{fmt_ms(l_min)} / {fmt_ms(l_med)}",
+                    f"{fmt_ms(f_min)} / {fmt_ms(f_med)}",
+                    f"{vs_loop:.2f}",
+                    f"{vs_floor:.2f}" + ("" if num >= 1024 else " (n/a)"),
+                    ops["ess"],
+                    ops["loop"],
+                    ops["floor"],
+                    f"{agree:.0e}",
+                ]
+            )
+        del batch
+    torch.set_num_threads(default_threads)
+    ok_ops = len(ess_ops) == 1
+    text = table(
+        [
+            "B",
+            "tokens",
+            "threads",
+            "ess_patch ms (min / med)",
+            "loop ms",
+            "floor ms",
+            "ess/loop",
+            "ess/floor",
+            "ops ess",
+            "ops loop",
+            "ops floor",
+            "rho rel. diff",
+        ],
+        rows,
+        title="## 1. Estimator: compute_ess_lr vs per-trajectory loop vs read-once floor",
+    )
+    text += (
+        "\n\nratios are of medians; ops = aten operators dispatched (= GPU kernel launches)\n"
+        f"- op count constant in B ({sorted(ess_ops)}): {verdict(ok_ops)}\n"
+        f"- within 2x of the per-trajectory loop at every B: {verdict(ok_loop)}\n"
+        f"- within 3x of the read-once floor for B >= 1024: {verdict(ok_floor)}"
+    )
+    return text, {
+        "estimator ops constant": ok_ops,
+        "estimator <= 2x loop": ok_loop,
+        "estimator <= 3x floor": ok_floor,
+    }
