@@ -158,7 +158,7 @@ def _act(args: argparse.Namespace) -> int:
         return 1
     if args.patches_command == "check":
         if conflicting:
-            files = ", ".join(dict.fromkeys(f for s in statuses for f in s.files))
+            files = ", ".join(patchset.conflicting_files(statuses))
             print(f"result: conflicting ({files}); apply would change nothing")
             return 1
         if states == {State.APPLIED}:

@@ -32,7 +32,14 @@ from packaging.version import InvalidVersion, Version
 
 from . import __version__
 from .integrations.megatron import MEGATRON
-from .patchset import State, defined_methods, detect, discover, select_series, series_gaps
+from .patchset import (
+    class_defines,
+    conflicting_files,
+    detect,
+    discover,
+    select_series,
+    series_gaps,
+)
 
 __all__ = ["CompatRow", "compat_rows", "fetch_wheel", "markdown", "upstream_versions"]
 
@@ -116,7 +123,7 @@ def check_tree(version: str, root: Path) -> CompatRow:
     tree = detect(root, "megatron-core")
     missing, optional = [], []
     for t in MEGATRON.targets:
-        present = t.attribute in (defined_methods(root, t.module, t.owner) or set())
+        present = class_defines(root, t)
         if t.required and not present:
             missing.append(f"{t.owner}.{t.attribute}")
         elif not t.required and present:
@@ -125,8 +132,8 @@ def check_tree(version: str, root: Path) -> CompatRow:
         series, statuses = select_series(tree)
     except Exception as err:  # no series at all: report, do not stop the table
         return CompatRow(version, "none", str(err), tuple(missing), tuple(optional), ())
-    conflicts = [f for s in statuses if s.state is State.CONFLICTING for f in s.files]
-    applies = "yes" if not conflicts else "conflict: " + ", ".join(dict.fromkeys(conflicts))
+    conflicts = conflicting_files(statuses)
+    applies = "yes" if not conflicts else "conflict: " + ", ".join(conflicts)
     gaps = () if conflicts else tuple(series_gaps(series, tree.root))
     return CompatRow(version, series.version, applies, tuple(missing), tuple(optional), gaps)
 

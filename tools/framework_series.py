@@ -19,16 +19,18 @@ from __future__ import annotations
 import argparse
 import ast
 import re
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-from megatron_core_series import git  # noqa: E402
+from megatron_core_series import (  # noqa: E402
+    decorator_insert,
+    last_import_line,
+    write_series,
+)
 
 from ess_patch.patchset import Series, detect, series_gaps  # noqa: E402
 from ess_patch.vendored import CALL_SITES, CallSite  # noqa: E402
@@ -129,27 +131,14 @@ def edit(path: Path, component: str, sites: list[CallSite]) -> None:
     text = path.read_text(encoding="utf-8")
     lines = text.splitlines(keepends=True)
     module = ast.parse(text)
-    first_def = next(
-        n.lineno
-        for n in module.body
-        if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-    )
-    last_import = max(
-        n.end_lineno
-        for n in module.body
-        if isinstance(n, (ast.Import, ast.ImportFrom)) and n.lineno < first_def
-    )
+    last_import = last_import_line(module)
     blank = 0  # blank lines already there after the imports: two in all before the code
     while last_import + blank < len(lines) and not lines[last_import + blank].strip():
         blank += 1
     block = import_block(component, sites) + "\n" * max(0, 2 - blank)
     inserts = [(last_import, block)]
     for site in sites:
-        fn = _function(module, site)
-        top = min([fn.lineno] + [d.lineno for d in fn.decorator_list])
-        line = lines[top - 1]
-        indent = line[: len(line) - len(line.lstrip())]
-        inserts.append((top - 1, f"{indent}@{site.alias}\n"))
+        inserts.append(decorator_insert(lines, _function(module, site), site.alias))
     for index, block in sorted(inserts, key=lambda i: i[0], reverse=True):
         lines.insert(index, block)
     path.write_text("".join(lines), encoding="utf-8")
@@ -178,31 +167,15 @@ def generate(component: str, tree_dir: Path, commit: str, out: Path | None) -> P
             reimports=REIMPORTS[component],
         )
     )
-    with tempfile.TemporaryDirectory(prefix="ess-patch-series-") as tmp:
-        scratch = Path(tmp) / "tree"
-        for rel in by_file:
-            (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(tree.root / rel, scratch / rel)
-        git(scratch, "init", "-q", ".")
-        git(scratch, "add", "-A")
-        git(scratch, "commit", "-q", "-m", f"{component} {commit}")
-        for rel, file_sites in by_file.items():
-            edit(scratch / rel, component, file_sites)
-        git(scratch, "add", "-A")
-        git(scratch, "commit", "-q", "-F", "-", stdin=message)
-        out.mkdir(parents=True, exist_ok=True)
-        for old in out.glob("*.patch"):
-            old.unlink()
-        git(
-            scratch,
-            "format-patch",
-            "-1",
-            "--zero-commit",
-            "--no-signature",
-            "--full-index",
-            "-o",
-            str(out),
-        )
+    write_series(
+        tree.root,
+        list(by_file),
+        f"{component} {commit}",
+        lambda path, rel: edit(path, component, by_file[rel]),
+        message,
+        out,
+        "--full-index",
+    )
     series = Series(component, out.name, out, tuple(sorted(out.glob("*.patch"))))
     gaps = series_gaps(series, tree.root)
     if gaps:

@@ -22,15 +22,17 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from ess_patch.integrations.megatron import MEGATRON  # noqa: E402
-from ess_patch.patchset import defined_methods, detect  # noqa: E402
+from ess_patch.patchset import VENDORED_DECORATOR, class_defines, detect  # noqa: E402
+from ess_patch.patchset.symbols import module_path  # noqa: E402
 
-DECORATOR = "_ess_optimizer_step"
+DECORATOR = VENDORED_DECORATOR  # what ess_patch.patchset.megatron_core_gaps looks for
 IMPORT_BLOCK = f"""
 try:  # ess-patch call sites (ess-patch's patches/megatron-core); identity without ess_patch
     from ess_patch.vendored import optimizer_step as {DECORATOR}
@@ -82,11 +84,73 @@ def targets_by_file(root: Path) -> dict[str, dict[str, list[str]]]:
     """{relative file: {class: [methods]}} for the targets the class bodies define."""
     out: dict[str, dict[str, list[str]]] = {}
     for t in MEGATRON.targets:
-        defined = defined_methods(root, t.module, t.owner) or set()
-        if t.attribute in defined:
-            rel = "/".join(t.module.split(".")) + ".py"
-            out.setdefault(rel, {}).setdefault(t.owner, []).append(t.attribute)
+        if class_defines(root, t):
+            out.setdefault(module_path(t.module), {}).setdefault(t.owner, []).append(t.attribute)
     return out
+
+
+def last_import_line(module: ast.Module) -> int:
+    """The line that the module's imports above its first class or function end on."""
+    first_def = next(
+        n.lineno
+        for n in module.body
+        if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+    )
+    return max(
+        n.end_lineno
+        for n in module.body
+        if isinstance(n, (ast.Import, ast.ImportFrom)) and n.lineno < first_def
+    )
+
+
+def decorator_insert(
+    lines: list[str], fn: ast.FunctionDef | ast.AsyncFunctionDef, decorator: str
+) -> tuple[int, str]:
+    """(0-based line index to insert before, text) that puts ``@decorator`` above ``fn``'s
+    other decorators, at their indent."""
+    top = min([fn.lineno] + [d.lineno for d in fn.decorator_list])
+    line = lines[top - 1]
+    indent = line[: len(line) - len(line.lstrip())]
+    return top - 1, f"{indent}@{decorator}\n"
+
+
+def write_series(
+    root: Path,
+    files: list[str],
+    upstream: str,
+    edit: Callable[[Path, str], None],
+    message: str,
+    out: Path,
+    *format_patch: str,
+) -> None:
+    """Commit ``files`` of ``root`` in a scratch git repository (message ``upstream``), call
+    ``edit(scratch file, rel)`` on each, commit that with ``message`` and write it as the only
+    patch in ``out`` (``git format-patch`` with the options ``format_patch``)."""
+    with tempfile.TemporaryDirectory(prefix="ess-patch-series-") as tmp:
+        scratch = Path(tmp) / "tree"
+        for rel in files:
+            (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / rel, scratch / rel)
+        git(scratch, "init", "-q", ".")
+        git(scratch, "add", "-A")
+        git(scratch, "commit", "-q", "-m", upstream)
+        for rel in files:
+            edit(scratch / rel, rel)
+        git(scratch, "add", "-A")
+        git(scratch, "commit", "-q", "-F", "-", stdin=message)
+        out.mkdir(parents=True, exist_ok=True)
+        for old in out.glob("*.patch"):
+            old.unlink()
+        git(
+            scratch,
+            "format-patch",
+            "-1",
+            "--zero-commit",
+            "--no-signature",
+            *format_patch,
+            "-o",
+            str(out),
+        )
 
 
 def edit(path: Path, classes: dict[str, list[str]]) -> None:
@@ -94,24 +158,12 @@ def edit(path: Path, classes: dict[str, list[str]]) -> None:
     lines = text.splitlines(keepends=True)
     module = ast.parse(text)
     inserts: list[tuple[int, str]] = []  # (0-based line index to insert before, text)
-    first_def = next(
-        n.lineno
-        for n in module.body
-        if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-    )
-    last_import = max(
-        n.end_lineno
-        for n in module.body
-        if isinstance(n, (ast.Import, ast.ImportFrom)) and n.lineno < first_def
-    )
-    inserts.append((last_import, IMPORT_BLOCK))
+    inserts.append((last_import_line(module), IMPORT_BLOCK))
     for node in module.body:
         if isinstance(node, ast.ClassDef) and node.name in classes:
             for fn in node.body:
                 if isinstance(fn, ast.FunctionDef) and fn.name in classes[node.name]:
-                    top = min([fn.lineno] + [d.lineno for d in fn.decorator_list])
-                    indent = lines[top - 1][: len(lines[top - 1]) - len(lines[top - 1].lstrip())]
-                    inserts.append((top - 1, f"{indent}@{DECORATOR}\n"))
+                    inserts.append(decorator_insert(lines, fn, DECORATOR))
     for index, block in sorted(inserts, reverse=True):
         lines.insert(index, block)
     path.write_text("".join(lines), encoding="utf-8")
@@ -143,23 +195,15 @@ def generate(tree_dir: Path, out: Path | None) -> Path:
         for i, (cls, methods) in enumerate(classes.items()):
             rows.append(f"  {name if i == 0 else '':<24}{cls}.{', .'.join(methods)}")
     listing = "\n".join(rows)
-    with tempfile.TemporaryDirectory(prefix="ess-patch-series-") as tmp:
-        scratch = Path(tmp) / "tree"
-        for rel in plan:
-            (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(tree.root / rel, scratch / rel)
-        git(scratch, "init", "-q", ".")
-        git(scratch, "add", "-A")
-        git(scratch, "commit", "-q", "-m", f"megatron-core {tree.version}")
-        for rel, classes in plan.items():
-            edit(scratch / rel, classes)
-        git(scratch, "add", "-A")
-        message = SUBJECT + "\n\n" + BODY.format(version=tree.version, listing=listing)
-        git(scratch, "commit", "-q", "-F", "-", stdin=message)
-        out.mkdir(parents=True, exist_ok=True)
-        for old in out.glob("*.patch"):
-            old.unlink()
-        git(scratch, "format-patch", "-1", "--zero-commit", "--no-signature", "-o", str(out))
+    message = SUBJECT + "\n\n" + BODY.format(version=tree.version, listing=listing)
+    write_series(
+        tree.root,
+        list(plan),
+        f"megatron-core {tree.version}",
+        lambda path, rel: edit(path, plan[rel]),
+        message,
+        out,
+    )
     return out
 
 
