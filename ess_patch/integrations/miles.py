@@ -19,7 +19,14 @@ from typing import Any
 from ..attach import attach
 from ..patching import Target
 from . import Integration
-from .rl_hooks import Framework, Groups, advantage_wrapper, ess_metrics, parse_args_wrapper
+from .rl_hooks import (
+    Framework,
+    Groups,
+    advantage_wrapper,
+    ess_metrics,
+    parse_args_wrapper,
+    rollout_logprobs_only,
+)
 
 SUPPORTED = "miles @31f1ca961 (2026-08-21; later commits with the same functions)"
 
@@ -44,11 +51,7 @@ def _no_input_reason(args: argparse.Namespace) -> str | None:
     # not skip_actor_forward_only and (not use_rollout_logprobs or get_mismatch_metrics)
     if getattr(args, "skip_actor_forward_only", False):
         return "--skip-actor-forward-only skips the actor's forward pass"
-    if getattr(args, "use_rollout_logprobs", False) and not getattr(
-        args, "get_mismatch_metrics", False
-    ):
-        return "--use-rollout-logprobs without --get-mismatch-metrics does not recompute them"
-    return None
+    return rollout_logprobs_only(args)
 
 
 def _unsupported_reason(args: argparse.Namespace) -> str | None:

@@ -47,6 +47,16 @@ class Framework:
     unsupported_reason: Callable[[argparse.Namespace], str | None]
 
 
+def rollout_logprobs_only(args: argparse.Namespace) -> str | None:
+    """The rule both frameworks share: with --use-rollout-logprobs and no mismatch metrics,
+    the actor never recomputes the train log-probs (miles and slime megatron_utils/actor.py)."""
+    if getattr(args, "use_rollout_logprobs", False) and not getattr(
+        args, "get_mismatch_metrics", False
+    ):
+        return "--use-rollout-logprobs without --get-mismatch-metrics does not recompute them"
+    return None
+
+
 # --- flags -------------------------------------------------------------------------------------
 
 

@@ -21,6 +21,7 @@ from .rl_hooks import (
     advantage_wrapper,
     ess_metrics,
     parse_args_wrapper,
+    rollout_logprobs_only,
 )
 
 SUPPORTED = "slime @624b824a8 (2026-08-21; later commits with the same functions)"
@@ -42,17 +43,6 @@ def _groups() -> Groups:
     )
 
 
-def _no_input_reason(args: argparse.Namespace) -> str | None:
-    # backends/megatron_utils/actor.py: same rule as miles for use_rollout_logprobs. (When
-    # slime reuses the log-probs in the loss instead, they are missing at advantage time:
-    # a logged no-op, see README.)
-    if getattr(args, "use_rollout_logprobs", False) and not getattr(
-        args, "get_mismatch_metrics", False
-    ):
-        return "--use-rollout-logprobs without --get-mismatch-metrics does not recompute them"
-    return None
-
-
 def _unsupported_reason(args: argparse.Namespace) -> str | None:
     backend = getattr(args, "train_backend", "megatron")
     return None if backend == "megatron" else f"--train-backend {backend} (supported: megatron)"
@@ -61,7 +51,9 @@ def _unsupported_reason(args: argparse.Namespace) -> str | None:
 SLIME_FRAMEWORK = Framework(
     name="slime",
     groups=_groups,
-    no_input_reason=_no_input_reason,
+    # Same rule as miles. (When slime reuses the log-probs inside the loss instead, they are
+    # missing at advantage time: a logged no-op, see README.)
+    no_input_reason=rollout_logprobs_only,
     unsupported_reason=_unsupported_reason,
 )
 
