@@ -47,8 +47,9 @@ def install(
     Args:
         integrations: names from :data:`INTEGRATIONS` (default: ``$ESS_PATCH_INTEGRATIONS``
             or all of them). A library not imported yet is patched when it is imported.
-        config: the estimator settings the framework hooks use (default: from the
-            ``ESS_LR_*`` environment variables, else the defaults).
+        config: the estimator settings the framework hooks use where the host's args
+            lack the ``--ess-lr-*`` flags (default: from the ``ESS_LR_*`` environment
+            variables, else the defaults). Flags on the host's command line win.
 
     A second call warns and changes nothing. Nothing is scaled until a result is armed.
 

@@ -120,3 +120,16 @@ def test_critic_is_never_armed(clean_ess):
     _call(Namespace(use_ess_lr=True, loss_type="value_loss"), _rollout())
     assert ess_patch.armed() is None
     assert ess_patch.state.STATE.role == "critic"
+
+
+def test_settings_come_from_the_flags_else_from_install(clean_ess, monkeypatch):
+    from ess_patch.integrations.rl_hooks import config_from_args
+
+    monkeypatch.setenv("ESS_LR_WEIGHT_MODE", "product")
+    ess_patch.install("megatron")  # no config given: read from ESS_LR_*
+    assert config_from_args(Namespace(use_ess_lr=True)).weight_mode == "product"
+    flags = Namespace(use_ess_lr=True, ess_lr_weight_mode="geometric", ess_lr_floor=0.3)
+    assert (config_from_args(flags).weight_mode, config_from_args(flags).floor) == (
+        "geometric",
+        0.3,
+    )

@@ -10,12 +10,12 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
 from ..config import NONFINITE_POLICIES, RULES, WEIGHT_MODES, EssLrConfig
 from ..result import EssLrResult
-from ..state import arm, armed, disarm, set_role
+from ..state import STATE, arm, armed, disarm, set_role
 
 __all__ = ["Framework", "Groups", "add_ess_arguments", "config_from_args"]
 
@@ -144,13 +144,11 @@ def compose_custom_arguments(
 
 
 def config_from_args(args: argparse.Namespace) -> EssLrConfig:
-    """The estimator settings chosen on the command line."""
+    """The estimator settings: the ``--ess-lr-*`` flags where the host args have them, else
+    the config given to ``install()`` (itself from ``ESS_LR_*`` by default)."""
+    base = STATE.config if isinstance(STATE.config, EssLrConfig) else EssLrConfig()
     return EssLrConfig(
-        floor=getattr(args, "ess_lr_floor", 0.1),
-        weight_mode=getattr(args, "ess_lr_weight_mode", "geometric"),
-        rule=getattr(args, "ess_lr_rule", "sqrt"),
-        base_ratio=getattr(args, "ess_lr_base_ratio", 1.0),
-        nonfinite=getattr(args, "ess_lr_nonfinite", "raise"),
+        **{f.name: getattr(args, f"ess_lr_{f.name}", getattr(base, f.name)) for f in fields(base)}
     )
 
 
