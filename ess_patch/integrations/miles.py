@@ -22,9 +22,8 @@ from . import Integration
 from .rl_hooks import (
     Framework,
     Groups,
-    advantage_wrapper,
+    common_targets,
     ess_metrics,
-    parse_args_wrapper,
     rollout_logprobs_only,
 )
 
@@ -113,11 +112,7 @@ MILES = Integration(
     distribution=None,
     supported=SUPPORTED,
     targets=(
-        Target("miles.utils.arguments", "", "parse_args", parse_args_wrapper(MILES_FRAMEWORK)),
-        *(
-            Target(module, "", "compute_advantages_and_returns", advantage_wrapper(MILES_FRAMEWORK))
-            for module in _ADVANTAGE_SITES
-        ),
+        *common_targets(MILES_FRAMEWORK, "miles.utils.arguments", _ADVANTAGE_SITES),
         *(Target(module, "", "log_train_step", log_train_step_wrapper) for module in _LOG_SITES),
         Target(
             "miles.backends.fsdp_utils.actor",

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
 from ..config import NONFINITE_POLICIES, RULES, WEIGHT_MODES, EssLrConfig
+from ..patching import Target
 from ..result import EssLrResult
 from ..state import STATE, arm, armed, disarm, set_role
 
@@ -262,6 +263,20 @@ def arm_from_rollout(framework: Framework, args: Any, rollout_data: dict) -> Ess
             "train log-probs" if rollout_data.get("log_probs") is None else "rollout log-probs",
         )
     return arm(result)
+
+
+def common_targets(
+    framework: Framework, arguments_module: str, advantage_sites: tuple[str, ...]
+) -> tuple[Target, ...]:
+    """The targets both frameworks have: ``parse_args``, and ``compute_advantages_and_returns``
+    where it is defined and wherever it was imported by name."""
+    return (
+        Target(arguments_module, "", "parse_args", parse_args_wrapper(framework)),
+        *(
+            Target(module, "", "compute_advantages_and_returns", advantage_wrapper(framework))
+            for module in advantage_sites
+        ),
+    )
 
 
 def ess_metrics() -> dict[str, float]:

@@ -18,9 +18,8 @@ from .rl_hooks import (
     METRIC_PREFIX,
     Framework,
     Groups,
-    advantage_wrapper,
+    common_targets,
     ess_metrics,
-    parse_args_wrapper,
     rollout_logprobs_only,
 )
 
@@ -77,11 +76,7 @@ SLIME = Integration(
     distribution=None,
     supported=SUPPORTED,
     targets=(
-        Target("slime.utils.arguments", "", "parse_args", parse_args_wrapper(SLIME_FRAMEWORK)),
-        *(
-            Target(module, "", "compute_advantages_and_returns", advantage_wrapper(SLIME_FRAMEWORK))
-            for module in _ADVANTAGE_SITES
-        ),
+        *common_targets(SLIME_FRAMEWORK, "slime.utils.arguments", _ADVANTAGE_SITES),
         Target("slime.observability.logging_utils", "", "log", log_wrapper),
     ),
 )

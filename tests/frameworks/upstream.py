@@ -23,7 +23,7 @@ Usage from a test module::
     MILES = skip_reason("miles", "loss")
 
     @pytest.mark.skipif(MILES is not None, reason=MILES or "")
-    def test_x():
+    def test_x():  # import_upstream raises ImportError(reason) if the tier is unusable
         loss = import_upstream("miles.backends.training_utils.loss")
 
 ``skip_reason`` returns ``None`` when the tier is usable (and has put the snapshot folders on
@@ -148,13 +148,15 @@ def skip_reason(framework: str, tier: str = "loss") -> str | None:
 
 
 def import_upstream(module: str, tier: str = "loss") -> ModuleType:
-    """Import a real upstream module (``"miles.…"`` / ``"slime.…"``), or skip the calling test."""
-    import pytest
+    """Import a real upstream module (``"miles.…"`` / ``"slime.…"``).
 
+    Callers are tests guarded by ``skipif(skip_reason(...) is not None, reason=...)``; if one
+    is not, it fails here with the same reason rather than skipping silently.
+    """
     framework = module.split(".", 1)[0]
     reason = skip_reason(framework, tier)
     if reason is not None:
-        pytest.skip(reason)
+        raise ImportError(f"{module}: {reason}")
     return importlib.import_module(module)
 
 
