@@ -1,9 +1,10 @@
 """Test-only helpers: real megatron-core 0.16.1 optimizers on CPU over gloo.
 
-Nothing here is part of ``ess_patch``; it lets tests drive the *real* megatron optimizer
-classes (ChainedOptimizer, FP32Optimizer, Float16OptimizerWithFloat16Params,
-DistributedOptimizer, LayerWiseDistributedOptimizer) through DDP grad buffers on a CPU-only
-torch build, so that an LR-scaling wrapper can be checked against real parameter updates.
+The CPU shim comes from ``ess_patch.demo.cpu`` (the demo needs the same one); the rest is
+test-only: it lets tests drive the *real* megatron optimizer classes (ChainedOptimizer,
+FP32Optimizer, Float16OptimizerWithFloat16Params, DistributedOptimizer,
+LayerWiseDistributedOptimizer) through DDP grad buffers on a CPU-only torch build, so that
+an LR-scaling wrapper can be checked against real parameter updates.
 
 Typical use (also inside a forkserver/spawn child: enter the shim in that process)::
 
@@ -38,7 +39,8 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
-from torch.overrides import TorchFunctionMode
+
+from ess_patch.demo.cpu import megatron_on_cpu
 
 __all__ = [
     "KINDS",
@@ -62,82 +64,9 @@ __all__ = [
 # CPU shim
 # --------------------------------------------------------------------------------------
 
-_CUDA_TYPES = {
-    "torch.FloatTensor": "torch.cuda.FloatTensor",
-    "torch.HalfTensor": "torch.cuda.HalfTensor",
-    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
-    "torch.IntTensor": "torch.cuda.IntTensor",
-}
-
-
-def _is_cuda_device(device: Any) -> bool:
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    if isinstance(device, str):
-        return device.split(":", 1)[0] == "cuda"
-    # A bare int is a CUDA ordinal (megatron passes torch.cuda.current_device()).
-    return isinstance(device, int) and not isinstance(device, bool)
-
-
-class _CudaOnCpu(TorchFunctionMode):
-    """Runs megatron's CUDA-assuming tensor code on CPU (see ``cpu_shim``)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if _is_cuda_device(kwargs.get("device")):
-            kwargs["device"] = "cpu"
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.to:
-            args = tuple("cpu" if _is_cuda_device(a) else a for a in args)
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return _CUDA_TYPES.get(name, name)
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def cpu_shim() -> Iterator[None]:
-    """Make megatron-core 0.16.1 optimizers, DDP grad buffers and grad-norm run on CPU.
-
-    Pieces, and the megatron code that needs each (all restored on exit):
-
-    * A ``TorchFunctionMode`` that maps ``device='cuda'`` / ``'cuda:N'`` /
-      ``torch.device('cuda')`` / an int ordinal to CPU in every torch call. Needed by
-      ``optimizer.FP32Optimizer.__init__`` (``_scale``), ``MixedPrecisionOptimizer.__init__``
-      (``found_inf``, ``_scale_one``, ``_dummy_overflow_buf``), ``grad_scaler.*Scaler``,
-      ``clip_grads.get_grad_norm_fp32`` / ``count_zeros_fp32`` and
-      ``utils.local_multi_tensor_l2_norm`` (called by every ``ChainedOptimizer.step``),
-      ``distributed.param_and_grad_buffer._ParamAndGradBuffer.__init__`` (grad/param buffers
-      on ``torch.cuda.current_device()``).
-    * In the same mode, ``Tensor.type()`` reports ``torch.cuda.*Tensor`` for CPU tensors:
-      ``Float16OptimizerWithFloat16Params.__init__`` and
-      ``DistributedOptimizer._build_model_and_main_param_groups`` reject params whose type is
-      not ``torch.cuda.{Float,Half,BFloat16}Tensor``; ``clip_grads.clip_grad_by_total_norm_fp32``
-      asserts ``torch.cuda.FloatTensor`` (clip_grad > 0). ``Tensor.cuda()`` / ``.to('cuda')``
-      become no-ops (``grad_scaler.load_state_dict``, distrib_optimizer checkpoint paths).
-    * ``torch.cuda.current_device`` returns 0 (it raises on a CPU build): the grad buffers in
-      ``_ParamAndGradBuffer.__init__`` are allocated on it (first failure without the stub);
-      also ``ChainedOptimizer.get_loss_scale`` (no children) and DistributedOptimizer's
-      checkpoint helpers.
-
-    Each of the three pieces was checked to be necessary (removing it breaks fp32, bf16,
-    clip_grad > 0 or the distributed optimizer at the place named above).
-
-    Not needed on these paths (so not shimmed): ``torch.cuda.Stream`` (only with
-    ``num_distributed_optimizer_instances > 1`` / overlapped grad reduce),
-    ``torch.cuda.synchronize``, ``torch.cuda.is_available``.
-
-    The mode is per thread and per process: enter the shim in every (forkserver/spawn)
-    child process, around both construction and training.
-    """
-    saved_current_device = torch.cuda.current_device
-    torch.cuda.current_device = lambda: 0
-    try:
-        with _CudaOnCpu():
-            yield
-    finally:
-        torch.cuda.current_device = saved_current_device
+# The shim is the product's own (the demo needs it too): one copy, tested here through every
+# optimizer kind. See ess_patch/demo/cpu.py for what each piece is for.
+cpu_shim = megatron_on_cpu
 
 
 # --------------------------------------------------------------------------------------

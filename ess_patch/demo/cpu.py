@@ -5,14 +5,24 @@ uses it so that ``ess-patch demo`` can drive megatron-core's real classes
 (``get_megatron_optimizer``, ``DistributedDataParallel``, ``OptimizerParamScheduler``) on a
 laptop. Production runs are on GPUs and need nothing of this.
 
-megatron-core (0.14-0.19) hard-codes CUDA in a few places the demo reaches:
+megatron-core (0.14-0.19) hard-codes CUDA in a few places the demo (and the project's
+tests, which use this same shim) reach; each piece below was checked to be necessary:
 
-* ``device='cuda'`` / ``torch.cuda.current_device()`` when it allocates DDP grad buffers, the
-  optimizers' scalars and the grad-norm accumulators: a ``TorchFunctionMode`` maps any CUDA
-  device argument to the CPU;
-* ``Tensor.type()`` checks (``clip_grad_by_total_norm_fp32`` asserts
-  ``torch.cuda.FloatTensor``): inside the mode, CPU tensors report their CUDA type name;
-* ``torch.cuda.current_device()`` raises on a CPU build: stubbed to return 0.
+* A ``TorchFunctionMode`` maps ``device='cuda'`` / ``'cuda:N'`` / ``torch.device('cuda')`` /
+  an int ordinal to the CPU in every torch call: ``FP32Optimizer.__init__`` (``_scale``),
+  ``MixedPrecisionOptimizer.__init__`` (``found_inf``, ``_scale_one``), the grad scalers,
+  ``clip_grads.get_grad_norm_fp32`` / ``count_zeros_fp32`` (every ``ChainedOptimizer.step``)
+  and ``_ParamAndGradBuffer.__init__`` (DDP grad buffers). ``Tensor.cuda()`` /
+  ``.to('cuda')`` become no-ops (grad-scaler and distributed-optimizer checkpoint paths).
+* Inside the mode, CPU tensors report their CUDA type name from ``Tensor.type()``:
+  ``Float16OptimizerWithFloat16Params.__init__`` and
+  ``DistributedOptimizer._build_model_and_main_param_groups`` reject other types, and
+  ``clip_grad_by_total_norm_fp32`` asserts ``torch.cuda.FloatTensor`` (clip_grad > 0).
+* ``torch.cuda.current_device()`` raises on a CPU build: stubbed to return 0 (DDP grad
+  buffers are allocated on it).
+
+Not needed on these paths: ``torch.cuda.Stream`` (only with several distributed-optimizer
+instances or overlapped grad reduce), ``torch.cuda.synchronize``, ``is_available``.
 
 Everything is restored when the context exits. The mode is per thread: enter it in every
 rank process, around the megatron calls (construction and ``optimizer.step()``). The demo
