@@ -23,14 +23,16 @@ from .state import arm, armed, disarm, exclude, set_role
 
 if TYPE_CHECKING:
     from .compute import compute_ess_lr
-    from .estimator import NonFiniteLogProbError
-    from .reduction import broadcast_from_last_stage
+    from .estimator import InvalidInputsElsewhereError, NonFiniteLogProbError
+    from .reduction import ConfigMismatchError, broadcast_from_last_stage
 
 # The names that need torch are imported on first use, so that `import ess_patch` and
 # install() stay cheap (the auto-install runs them in every process of a job).
 _LAZY = {
     "compute_ess_lr": "compute",
     "NonFiniteLogProbError": "estimator",
+    "InvalidInputsElsewhereError": "estimator",
+    "ConfigMismatchError": "reduction",
     "broadcast_from_last_stage": "reduction",
 }
 
@@ -48,8 +50,10 @@ def __getattr__(name: str) -> Any:
 __version__ = "0.1.0"
 
 __all__ = [
+    "ConfigMismatchError",
     "EssLrConfig",
     "EssLrResult",
+    "InvalidInputsElsewhereError",
     "MissingTargetError",
     "NonFiniteLogProbError",
     "__version__",

@@ -9,7 +9,15 @@ import torch.distributed as dist
 
 from . import estimator
 from .config import EssLrConfig
-from .reduction import all_gather_summaries, all_reduce_trajectory_stats, group_size
+from .reduction import (
+    all_gather_rows,
+    all_reduce_trajectory_stats,
+    any_missing,
+    check_envelopes,
+    envelope,
+    exchange_envelopes,
+    group_size,
+)
 from .result import EssLrResult
 
 __all__ = ["compute_ess_lr"]
@@ -34,7 +42,8 @@ def compute_ess_lr(
         loss_masks: per trajectory, aligned with the tensors above; non-zero = counted.
         config: the rule (defaults to ``EssLrConfig()``).
         cp_group: context-parallel group whose ranks hold other chunks of the *same*
-            trajectories (one all-reduce when its size > 1).
+            trajectories (when its size > 1: an all-gather of the envelopes, then one
+            all-reduce of the trajectory table).
         dp_group: data-parallel group (without CP) whose ranks hold *other* trajectories
             (one all-gather when its size > 1).
         prepare_masks: applied to ``loss_masks`` first, under the same error handling as
@@ -45,41 +54,88 @@ def compute_ess_lr(
     Under CP such a rank must still pass ``loss_masks`` (or the other log-probs) so that
     it knows how many trajectories its CP peers reduce.
 
+    Faults (any exception while this rank prepares its contribution, e.g. inputs that do
+    not line up, a tensor on another device, a mask slicing error) never leave a peer
+    waiting: the rank still enters every collective with a "failed" flag in its envelope,
+    then re-raises its own error, and every other rank raises
+    :class:`~ess_patch.estimator.InvalidInputsElsewhereError` naming it. CP peers also
+    exchange their trajectory counts before the payload, and every rank its settings.
+
     Raises:
-        ValueError / TypeError: inputs that do not line up (names the sample index). In a
-            single process before anything else; with groups, after the collectives (which
-            the rank still enters with an "invalid" flag), and then every rank raises.
+        ValueError / TypeError (or whatever the preparation raised): on the rank whose inputs
+            are bad; in a single process before anything else.
+        InvalidInputsElsewhereError: on every other rank of the rollout.
+        ConfigMismatchError: on every rank, when the ranks' ``config`` differ.
         estimator.NonFiniteLogProbError: a NaN/inf log-ratio with ``nonfinite="raise"``,
             raised on every rank alike, naming the data-parallel rank and the sample index.
     """
-    config = EssLrConfig() if config is None else config
-    distributed = group_size(cp_group) > 1 or group_size(dp_group) > 1
+    config = _check_config(config)
+    cp_size = group_size(cp_group, "CP")
+    dp_size = group_size(dp_group, "DP")
+    distributed = cp_size > 1 or dp_size > 1
     missing = log_probs is None or rollout_log_probs is None
-    error: Exception | None = None
+    error: BaseException | None = None
+    stats: torch.Tensor | None = None
     try:
         if prepare_masks is not None and loss_masks is not None:
             loss_masks = prepare_masks(loss_masks)
         if missing:
-            stats = _missing_table(log_probs, rollout_log_probs, loss_masks, cp_group)
+            stats = _missing_table(log_probs, rollout_log_probs, loss_masks, cp_size)
         else:
             if loss_masks is None:
                 raise ValueError("loss_masks is None but log-probs were given; pass the masks too")
             stats = estimator.trajectory_stats(log_probs, rollout_log_probs, loss_masks)
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:
         if not distributed:
             raise
-        # Still enter every collective, so that the peers fail with us instead of hanging.
-        error = exc
-        stats = _missing_table(None, None, loss_masks if _is_sequence(loss_masks) else None, None)
-    flags = estimator.Flags(missing=missing, invalid=error is not None)
-    stats, flags = all_reduce_trajectory_stats(stats, flags, cp_group)
+        error = exc  # still enter every collective, so that the peers fail with us
+    fault: Exception | None = None
+    if cp_size > 1:
+        envelopes = exchange_envelopes(
+            envelope(
+                failed=error is not None,
+                missing=missing,
+                rows=-1 if stats is None else stats.shape[0],
+                config=config,
+            ),
+            cp_group,
+            "CP",
+        )
+        fault = check_envelopes(envelopes, "CP", same_rows=True)
+        if error is None and fault is None:
+            assert stats is not None
+            stats = all_reduce_trajectory_stats(stats, cp_group)
+            missing = any_missing(envelopes)
+    failed = error is not None or fault is not None
     # The data-parallel rank names the culprit identically on every CP peer of the batch.
-    dp_rank = dist.get_rank(dp_group) if group_size(dp_group) > 1 else 0
-    summary = estimator.summarize(stats, config, rank=dp_rank, flags=flags)
-    summary = estimator.combine(all_gather_summaries(summary, dp_group))
+    dp_rank = dist.get_rank(dp_group) if dp_size > 1 else 0
+    if failed or stats is None:
+        summary = torch.zeros(estimator.SUMMARY_SIZE, dtype=torch.float64)
+    else:
+        flags = estimator.Flags(missing=missing)
+        summary = estimator.summarize(stats, config, rank=dp_rank, flags=flags)
+    if dp_size > 1:
+        row = torch.cat([summary, envelope(failed=failed, config=config).to(summary.device)])
+        rows = all_gather_rows(row, dp_group, "DP")
+        if not failed:
+            fault = check_envelopes(rows[:, estimator.SUMMARY_SIZE :], "DP")
+        summary = rows[:, : estimator.SUMMARY_SIZE]
     if error is not None:
         raise error
-    return estimator.finalize(summary, config)
+    if fault is not None:
+        raise fault
+    return estimator.finalize(estimator.combine(summary), config)
+
+
+def _check_config(config: object) -> EssLrConfig:
+    if config is None:
+        return EssLrConfig()
+    if not isinstance(config, EssLrConfig):
+        raise TypeError(
+            f"config must be an ess_patch.EssLrConfig (e.g. EssLrConfig(floor=0.2)), got "
+            f"{type(config).__name__}"
+        )
+    return config
 
 
 def _is_sequence(value: object) -> bool:
@@ -90,12 +146,12 @@ def _missing_table(
     log_probs: Sequence[torch.Tensor] | None,
     rollout_log_probs: Sequence[torch.Tensor] | None,
     loss_masks: Sequence[torch.Tensor] | None,
-    cp_group: object | None,
+    cp_size: int,
 ) -> torch.Tensor:
     """A zero table of the right height, so a rank with missing inputs can join the CP sum."""
     known = next((s for s in (loss_masks, log_probs, rollout_log_probs) if s is not None), None)
     if known is None:
-        if group_size(cp_group) > 1:
+        if cp_size > 1:
             raise ValueError(
                 "compute_ess_lr: all inputs are None on a rank of a CP group of size > 1; pass "
                 "loss_masks so that this rank joins its CP peers' reduction with the right size"

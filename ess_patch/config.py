@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import math
 import os
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-__all__ = ["NONFINITE_POLICIES", "RULES", "WEIGHT_MODES", "EssLrConfig"]
+__all__ = [
+    "FINGERPRINT_SIZE",
+    "NONFINITE_POLICIES",
+    "RULES",
+    "WEIGHT_MODES",
+    "EssLrConfig",
+    "describe_fingerprint",
+]
 
 #: "geometric": per-trajectory *mean* log-ratio (length-normalised, the seed's default).
 #: "product": per-trajectory *sum* of log-ratios (VCPO's published code); brakes much harder.
@@ -18,6 +27,14 @@ RULES = ("sqrt", "linear")
 NONFINITE_POLICIES = ("raise", "floor")
 
 _ENV_PREFIX = "ESS_LR_"
+
+# The named choices of the string fields: a fingerprint encodes them as their index, so that a
+# rank can say which value its peer has.
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "weight_mode": WEIGHT_MODES,
+    "rule": RULES,
+    "nonfinite": NONFINITE_POLICIES,
+}
 
 
 def _choice(name: str, value: object, valid: tuple[str, ...]) -> str:
@@ -64,6 +81,14 @@ class EssLrConfig:
         _choice("rule", self.rule, RULES)
         _choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
 
+    def fingerprint(self) -> list[float]:
+        """One float per field, equal on two ranks exactly when that field is equal.
+
+        Travels with the collectives, so that ranks running different settings all raise
+        (:func:`describe_fingerprint` names the fields) instead of drifting silently.
+        """
+        return [_encode_field(f.name, getattr(self, f.name)) for f in fields(self)]
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> EssLrConfig:
         """Build a config from ``ESS_LR_FLOOR``, ``ESS_LR_WEIGHT_MODE``, ``ESS_LR_RULE``,
@@ -88,3 +113,30 @@ def _as_float(name: str, value: object) -> float:
     if out != out:
         raise ValueError(f"EssLrConfig.{name} is NaN; give a number")
     return out
+
+
+def _encode_field(name: str, value: object) -> float:
+    if value is None:
+        return -math.inf
+    if name in _CHOICES:
+        return float(_CHOICES[name].index(value))  # type: ignore[arg-type]
+    if isinstance(value, str):
+        return float(zlib.crc32(value.encode()))
+    return float(value)  # type: ignore[arg-type]
+
+
+def describe_fingerprint(values: list[float]) -> dict[str, object]:
+    """The field values an :meth:`EssLrConfig.fingerprint` stands for (for error messages)."""
+    out: dict[str, object] = {}
+    for f, v in zip(fields(EssLrConfig), values, strict=True):
+        if f.name in _CHOICES and 0 <= v < len(_CHOICES[f.name]):
+            out[f.name] = _CHOICES[f.name][int(v)]
+        elif v == -math.inf:
+            out[f.name] = None
+        else:
+            out[f.name] = v
+    return out
+
+
+#: Floats in a fingerprint (one per field of :class:`EssLrConfig`).
+FINGERPRINT_SIZE = len(fields(EssLrConfig))

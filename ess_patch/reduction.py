@@ -1,9 +1,12 @@
-"""The collectives that make a rollout's ESS global: CP all-reduce, DP all-gather, PP broadcast.
+"""The collectives that make a rollout's ESS global: CP all-reduce, DP and PP all-gathers.
 
 Each runs only on an explicit group with more than one rank (``group=None`` would mean
 WORLD in torch.distributed, so it is never passed). Every rank enters the same collectives
-in the same order whatever its own inputs hold; the flags that decide the outcome
-(missing inputs, non-finite values) travel inside the reduced tensors.
+in the same order whatever its own inputs hold. What decides the outcome travels with them:
+an *envelope* per rank (did it fail, are its log-probs missing, how many rows it will send,
+its config) goes before the CP payload and with the DP and PP rows, so that a fault on one
+rank (any exception), a count disagreement or different settings end in the same error on
+every rank, never in a hang or a gloo size-mismatch abort.
 """
 
 from __future__ import annotations
@@ -11,26 +14,47 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .estimator import Flags
-from .result import STATUSES, EssLrResult
+from .config import FINGERPRINT_SIZE, EssLrConfig, describe_fingerprint
+from .estimator import InvalidInputsElsewhereError
+from .result import ENCODED_SIZE, EssLrResult
 
 __all__ = [
-    "all_gather_summaries",
+    "ENVELOPE_SIZE",
+    "ConfigMismatchError",
+    "all_gather_rows",
     "all_reduce_trajectory_stats",
+    "any_missing",
     "broadcast_from_last_stage",
+    "check_envelopes",
     "comm_device",
+    "envelope",
+    "exchange_envelopes",
     "group_size",
 ]
 
 
-def group_size(group: object | None) -> int:
-    """World size of ``group``; 1 for None (no group given: single-process semantics)."""
+class ConfigMismatchError(ValueError):
+    """Ranks of one group run different ESS-LR settings (every one of them raises)."""
+
+
+def group_size(group: object | None, name: str = "process") -> int:
+    """World size of ``group``; 1 for None (no group given: single-process semantics).
+
+    Raises:
+        RuntimeError: a group was given but torch.distributed is not initialized.
+        ValueError: this rank is not a member of ``group`` (its peers would reduce without it).
+    """
     if group is None:
         return 1
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "a process group was passed to ess_patch but torch.distributed is not initialized; "
             "call torch.distributed.init_process_group first or pass no group"
+        )
+    if dist.get_rank(group) < 0:
+        raise ValueError(
+            f"rank {dist.get_rank()} is not a member of the {name} group passed to ess_patch; "
+            "pass the group this rank belongs to (e.g. parallel_state's getters), or None"
         )
     return dist.get_world_size(group)
 
@@ -42,91 +66,148 @@ def comm_device(group: object) -> torch.device:
     return torch.device("cpu")
 
 
-def all_reduce_trajectory_stats(
-    stats: torch.Tensor, flags: Flags, cp_group: object | None
-) -> tuple[torch.Tensor, Flags]:
+def all_reduce_trajectory_stats(stats: torch.Tensor, cp_group: object | None) -> torch.Tensor:
     """Sum the per-trajectory ``[sum, count, non-finite]`` table over the CP ranks.
 
-    After this every CP rank holds the table of the full sequences, and the flags of every
-    CP peer (carried in one extra row of the same all-reduce). No-op for CP size 1.
+    After this every CP rank holds the table of the full sequences. No-op for CP size 1.
+    Call it only after :func:`exchange_envelopes` showed that every peer has a table of the
+    same height (gloo aborts the process on mismatched sizes).
     """
-    if group_size(cp_group) <= 1:
-        return stats, flags
-    device = comm_device(cp_group)
-    flag_row = torch.zeros((1, stats.shape[1]), dtype=stats.dtype, device=device)
-    flag_row[0, 0] = float(flags.missing)
-    flag_row[0, 1] = float(flags.invalid)
-    table = torch.cat([stats.to(device), flag_row])
+    if group_size(cp_group, "CP") <= 1:
+        return stats
+    table = stats.to(comm_device(cp_group))
     dist.all_reduce(table, op=dist.ReduceOp.SUM, group=cp_group)
-    table = table.to(stats.device)
-    return table[:-1], Flags(missing=table[-1, 0] > 0, invalid=table[-1, 1] > 0)
+    return table.to(stats.device)
 
 
-def all_gather_summaries(summary: torch.Tensor, dp_group: object | None) -> torch.Tensor:
-    """Gather every DP rank's summary vector into a ``[dp, size]`` tensor (one collective).
-
-    A gather rather than two all-reduces: the log-space shift must be global, and each
-    rank can rescale the others' sums by ``exp(max_r - max)`` locally.
-    """
-    size = group_size(dp_group)
+def all_gather_rows(row: torch.Tensor, group: object | None, name: str) -> torch.Tensor:
+    """Gather every rank's fixed-size float64 row into ``[size, len(row)]`` (one collective)."""
+    size = group_size(group, name)
     if size <= 1:
-        return summary
-    device = comm_device(dp_group)
-    local = summary.to(device).contiguous()
+        return row.reshape(1, -1)
+    device = comm_device(group)
+    local = row.to(device=device, dtype=torch.float64).contiguous()
     gathered = [torch.empty_like(local) for _ in range(size)]
-    dist.all_gather(gathered, local, group=dp_group)
-    return torch.stack(gathered)
+    dist.all_gather(gathered, local, group=group)
+    return torch.stack(gathered).to(row.device)
 
 
-_FIELDS = 7
+# --- envelopes: what every rank must know before (or with) the payload ------------------------
+
+# Layout of an envelope row (float64): whether this rank failed, whether its log-probs are
+# missing, the height of its payload, its global rank, whether a config travels, the config.
+_ERROR, _MISSING, _ROWS, _RANK, _HAS_CONFIG = range(5)
+ENVELOPE_SIZE = 5 + FINGERPRINT_SIZE
 
 
-def broadcast_from_last_stage(result: EssLrResult | None, pp_group: object | None) -> EssLrResult:
-    """Give every pipeline stage the last stage's result (one broadcast when PP > 1).
+def envelope(
+    *, failed: bool, missing: bool = False, rows: int = 0, config: EssLrConfig | None
+) -> torch.Tensor:
+    """This rank's envelope row (see :func:`check_envelopes`)."""
+    out = torch.zeros(ENVELOPE_SIZE, dtype=torch.float64)
+    out[_ERROR] = float(failed)
+    out[_MISSING] = float(missing)
+    out[_ROWS] = float(rows)
+    out[_RANK] = float(dist.get_rank()) if dist.is_available() and dist.is_initialized() else 0.0
+    if config is not None:
+        out[_HAS_CONFIG] = 1.0
+        out[_HAS_CONFIG + 1 :] = torch.tensor(config.fingerprint(), dtype=torch.float64)
+    return out
 
-    Only the last stage has log-probs; the others pass None and receive its result.
+
+def exchange_envelopes(row: torch.Tensor, group: object | None, name: str) -> torch.Tensor:
+    """All-gather the envelopes of ``group`` (``[size, ENVELOPE_SIZE]``)."""
+    return all_gather_rows(row, group, name)
+
+
+def any_missing(envelopes: torch.Tensor) -> bool:
+    """Whether some rank of these envelopes lacks its log-prob inputs."""
+    return bool((envelopes[:, _MISSING] > 0).any())
+
+
+def check_envelopes(
+    envelopes: torch.Tensor, name: str, *, same_rows: bool = False
+) -> Exception | None:
+    """The error every rank of the group must raise, identical on each, or None.
+
+    In this order: a rank that failed (the others raise :class:`InvalidInputsElsewhereError`
+    naming it; the rank itself re-raises its own error), configs that differ
+    (:class:`ConfigMismatchError` naming the fields), payload heights that differ (with
+    ``same_rows``: CP peers must hold the same trajectories).
+    """
+    rows = envelopes.tolist()
+    ranks = [int(r[_RANK]) for r in rows]
+    failed = [rank for rank, r in zip(ranks, rows, strict=True) if r[_ERROR] > 0]
+    if failed:
+        return InvalidInputsElsewhereError(
+            f"ESS-LR failed on rank(s) {', '.join(map(str, failed))} of the {name} group; see "
+            "the error raised there. Every rank stops here rather than waiting in a collective"
+        )
+    configs = [(rank, r[_HAS_CONFIG + 1 :]) for rank, r in zip(ranks, rows, strict=True)]
+    configs = [(rank, fp) for (rank, fp), r in zip(configs, rows, strict=True) if r[_HAS_CONFIG]]
+    if len({tuple(fp) for _, fp in configs}) > 1:
+        described = {rank: describe_fingerprint(fp) for rank, fp in configs}
+        first = next(iter(described.values()))
+        differing = [k for k in first if len({repr(d[k]) for d in described.values()}) > 1]
+        detail = "; ".join(
+            f"{field}: " + ", ".join(f"rank {rank} {d[field]!r}" for rank, d in described.items())
+            for field in differing
+        )
+        return ConfigMismatchError(
+            f"ESS-LR settings differ between the ranks of the {name} group ({detail}); every "
+            "rank must use the same --ess-lr-* flags / EssLrConfig, or ranks would train with "
+            "different LR scales"
+        )
+    if same_rows and len({int(r[_ROWS]) for r in rows}) > 1:
+        counts = ", ".join(
+            f"rank {rank} has {int(r[_ROWS])}" for rank, r in zip(ranks, rows, strict=True)
+        )
+        return ValueError(
+            f"the {name} ranks hold different numbers of trajectories ({counts}); CP peers must "
+            "pass the same samples (each its own chunk of every sample)"
+        )
+    return None
+
+
+def broadcast_from_last_stage(
+    result: EssLrResult | None,
+    pp_group: object | None,
+    *,
+    config: EssLrConfig | None = None,
+    error: BaseException | None = None,
+) -> EssLrResult:
+    """Give every pipeline stage the last stage's result (one all-gather when PP > 1).
+
+    Only the last stage has log-probs; the others pass None and receive its result. A stage
+    that failed passes its exception as ``error``: it still joins, so that the others raise
+    :class:`InvalidInputsElsewhereError` instead of waiting, and then re-raises it. With
+    ``config`` the stages also check that they run the same settings.
 
     Raises:
-        ValueError: the last stage (or a single-stage run) passed None.
+        ValueError: the last stage (or a single-stage run) passed None without an error.
+        InvalidInputsElsewhereError / ConfigMismatchError: see :func:`check_envelopes`.
     """
-    size = group_size(pp_group)
+    size = group_size(pp_group, "PP")
     if size <= 1:
+        if error is not None:
+            raise error
         if result is None:
             raise ValueError("broadcast_from_last_stage: the last pipeline stage passed no result")
         return result
-    last = size - 1
-    is_last = dist.get_rank(pp_group) == last
-    if is_last and result is None:
-        raise ValueError(
+    is_last = dist.get_rank(pp_group) == size - 1
+    if is_last and result is None and error is None:
+        error = ValueError(
             f"broadcast_from_last_stage: the last pipeline stage (rank {dist.get_rank()}) passed "
             "no result; it must compute one (compute_ess_lr) before broadcasting"
         )
-    buf = torch.zeros(_FIELDS, dtype=torch.float64, device=comm_device(pp_group))
-    if is_last:
-        buf.copy_(torch.tensor(_encode(result), dtype=torch.float64))
-    dist.broadcast(buf, src=dist.get_global_rank(pp_group, last), group=pp_group)
-    return result if is_last else _decode(buf.tolist())
-
-
-def _encode(r: EssLrResult) -> list[float]:
-    return [
-        r.scale,
-        r.rho,
-        r.ess,
-        r.num_trajectories,
-        r.num_empty,
-        r.num_nonfinite,
-        STATUSES.index(r.status),
-    ]
-
-
-def _decode(v: list[float]) -> EssLrResult:
-    return EssLrResult(
-        scale=v[0],
-        rho=v[1],
-        ess=v[2],
-        num_trajectories=int(v[3]),
-        num_empty=int(v[4]),
-        num_nonfinite=int(v[5]),
-        status=STATUSES[int(v[6])],
-    )
+    payload = torch.zeros(ENCODED_SIZE, dtype=torch.float64)
+    if is_last and error is None:
+        payload = torch.tensor(result.encode(), dtype=torch.float64)  # type: ignore[union-attr]
+    row = torch.cat([envelope(failed=error is not None, config=config), payload])
+    rows = all_gather_rows(row, pp_group, "PP")
+    if error is not None:
+        raise error
+    fault = check_envelopes(rows[:, :ENVELOPE_SIZE], "PP")
+    if fault is not None:
+        raise fault
+    return result if is_last else EssLrResult.decode(rows[-1, ENVELOPE_SIZE:].tolist())

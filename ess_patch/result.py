@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-__all__ = ["STATUSES", "EssLrResult"]
+__all__ = ["ENCODED_SIZE", "STATUSES", "EssLrResult"]
 
 #: ok: computed from at least one valid trajectory.
 #: no_valid: no trajectory had a masked token anywhere: no-op (scale 1, rho 1).
@@ -61,3 +61,30 @@ class EssLrResult:
             "ess_num_trajectories": float(self.num_trajectories),
             "ess_num_nonfinite": float(self.num_nonfinite),
         }
+
+    def encode(self) -> list[float]:
+        """The result as floats (one per field, the status as its index in ``STATUSES``), for
+        a collective; :meth:`decode` inverts it exactly."""
+        return [
+            float(STATUSES.index(self.status))
+            if f.name == "status"
+            else float(getattr(self, f.name))
+            for f in fields(self)
+        ]
+
+    @classmethod
+    def decode(cls, values: list[float]) -> EssLrResult:
+        """The result :meth:`encode` produced (``len(values) == ENCODED_SIZE``)."""
+        kwargs: dict[str, object] = {}
+        for f, v in zip(fields(cls), values, strict=True):
+            if f.name == "status":
+                kwargs[f.name] = STATUSES[int(v)]
+            elif f.type in ("int", int):
+                kwargs[f.name] = int(v)
+            else:
+                kwargs[f.name] = float(v)
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+
+#: Floats in :meth:`EssLrResult.encode`'s output (derived from the fields, never kept by hand).
+ENCODED_SIZE = len(fields(EssLrResult))

@@ -200,10 +200,11 @@ def advantage_wrapper(framework: Framework) -> Callable[..., Any]:
     """Wrap ``compute_advantages_and_returns(args, rollout_data)``: run it, then arm ESS."""
 
     def wrapper(wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict) -> Any:
-        out = wrapped(*args, **kwargs)
         host_args, rollout_data = _bind_advantage_args(args, kwargs)
         if not getattr(host_args, "use_ess_lr", False):
-            return out  # disabled: no collective, no state change
+            return wrapped(*args, **kwargs)  # disabled: no collective, no state change
+        disarm()  # if anything below raises, the previous rollout's scale is not reused
+        out = wrapped(*args, **kwargs)
         if getattr(host_args, "loss_type", None) == "value_loss":
             set_role("critic")  # the critic is never scaled
             disarm()
@@ -215,47 +216,55 @@ def advantage_wrapper(framework: Framework) -> Callable[..., Any]:
 
 
 def arm_from_rollout(framework: Framework, args: Any, rollout_data: dict) -> EssLrResult:
-    """Compute this rollout's ESS on every rank of the actor and arm it."""
+    """Compute this rollout's ESS on every rank of the actor and arm it.
+
+    Whatever fails on one rank (a missing key, bad inputs, a non-finite log-prob) fails on
+    every rank of the actor, CP, DP and PP alike, and leaves nothing armed.
+    """
     # Imported here: install() (run at start-up by the auto-install) must not import torch.
     from ..compute import compute_ess_lr
     from ..cp_slicing import local_response_masks
     from ..reduction import broadcast_from_last_stage
 
+    disarm()  # a failed rollout must not leave the previous rollout's scale armed
     groups = framework.groups()
+    config = config_from_args(args)
     result = None
-    if groups.is_pp_last:
-        log_probs = rollout_data.get("log_probs")
-        rollout_log_probs = rollout_data.get("rollout_log_probs")
-        prepare = None
-        if groups.cp_size > 1:
+    error: BaseException | None = None
+    try:
+        if groups.is_pp_last:
+            prepare = None
+            if groups.cp_size > 1:
 
-            def prepare(masks: Any) -> list:
-                # A ValueError here is handled like bad input: every rank raises, none hangs.
-                lengths = [rollout_data.get(k) for k in ("total_lengths", "response_lengths")]
-                if None in lengths:
-                    raise ValueError(
-                        "rollout_data has loss_masks but no total_lengths/response_lengths: "
-                        "ESS-LR cannot slice the masks to this CP rank's tokens"
+                def prepare(masks: Any) -> list:
+                    # Raised here, a fault reaches every rank through the collectives.
+                    lengths = [rollout_data.get(k) for k in ("total_lengths", "response_lengths")]
+                    if None in lengths:
+                        raise ValueError(
+                            "rollout_data has loss_masks but no total_lengths/response_lengths: "
+                            "ESS-LR cannot slice the masks to this CP rank's tokens"
+                        )
+                    return local_response_masks(
+                        masks,
+                        *lengths,
+                        groups.cp_rank,
+                        groups.cp_size,
+                        qkv_format=getattr(args, "qkv_format", "thd"),
+                        max_seq_lens=rollout_data.get("max_seq_lens"),
                     )
-                return local_response_masks(
-                    masks,
-                    *lengths,
-                    groups.cp_rank,
-                    groups.cp_size,
-                    qkv_format=getattr(args, "qkv_format", "thd"),
-                    max_seq_lens=rollout_data.get("max_seq_lens"),
-                )
 
-        result = compute_ess_lr(
-            log_probs,
-            rollout_log_probs,
-            rollout_data.get("loss_masks"),
-            config=config_from_args(args),
-            cp_group=groups.cp_group,
-            dp_group=groups.dp_group,
-            prepare_masks=prepare,
-        )
-    result = broadcast_from_last_stage(result, groups.pp_group)
+            result = compute_ess_lr(
+                rollout_data.get("log_probs"),
+                rollout_data.get("rollout_log_probs"),
+                rollout_data.get("loss_masks"),
+                config=config,
+                cp_group=groups.cp_group,
+                dp_group=groups.dp_group,
+                prepare_masks=prepare,
+            )
+    except Exception as exc:
+        error = exc  # the other pipeline stages learn of it through the broadcast
+    result = broadcast_from_last_stage(result, groups.pp_group, config=config, error=error)
     if result.status == "missing":
         logger.warning(
             "ess-patch (%s): this rollout has no %s on some rank; ESS-LR is a no-op for it",

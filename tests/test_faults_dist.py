@@ -1,0 +1,181 @@
+"""Fault injection: a fault on any rank ends in an error on every rank, never a hang.
+
+Each world runs every fault in turn through the real advantage-hook path
+(``rl_hooks.arm_from_rollout``: CP slicing, ``compute_ess_lr``, the PP exchange, arming).
+The rank that fails catches its error and stays alive, as a Ray actor would, so a peer
+left waiting in a collective would show as a timeout, not as "connection closed". After
+each fault every rank must hold the expected error, nothing armed (the previous rollout's
+scale included), and the ranks re-synchronise on a barrier before the next fault.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import layout, run_ranks
+from test_reduction_dist import cp_local, dp_shard, make_batch
+
+import ess_patch
+from ess_patch.integrations.rl_hooks import Framework, Groups, arm_from_rollout
+
+pytestmark = pytest.mark.dist
+
+COLLECTIVE_TIMEOUT = 40.0  # a safety net only: a correct run never gets near it
+
+# (name, which rank is faulty) -> what every rank must raise
+FAULTS = ("runtime", "index", "count", "all_none", "config", "nonfinite", "none_result")
+
+
+def _framework(lay) -> Framework:
+    def groups() -> Groups:
+        return Groups(
+            cp_group=lay.cp_group if lay.cp_size > 1 else None,
+            cp_rank=lay.cp_rank,
+            cp_size=lay.cp_size,
+            dp_group=lay.dp_group if lay.dp_size > 1 else None,
+            pp_group=lay.pp_group if lay.pp_size > 1 else None,
+            is_pp_last=lay.pp_rank == lay.pp_size - 1,
+        )
+
+    return Framework("test", groups, lambda a: None, lambda a: None)
+
+
+def _rollout(lay, fault: str | None, faulty: bool) -> tuple[argparse.Namespace, dict]:
+    samples = dp_shard(make_batch(3, num=8), lay.dp_rank, lay.dp_size)
+    data = {
+        "log_probs": [s["lp"] for s in samples],
+        "rollout_log_probs": [s["rlp"] for s in samples],
+        "loss_masks": [s["mask"] for s in samples],
+        "total_lengths": [s["total"] for s in samples],
+        "response_lengths": [s["response"] for s in samples],
+    }
+    if lay.cp_size > 1:
+        lp, rlp, _ = cp_local(samples, lay.cp_rank, lay.cp_size)
+        data["log_probs"], data["rollout_log_probs"] = lp, rlp
+    args = argparse.Namespace(use_ess_lr=True, ess_lr_floor=0.1, qkv_format="thd")
+    if faulty and fault == "runtime":
+        data["log_probs"] = [t.to(torch.float16).to_sparse() for t in data["log_probs"]]
+    elif faulty and fault == "index":
+        args.qkv_format = "bshd"
+        data["max_seq_lens"] = []  # too short: local_response_masks raises IndexError
+    elif faulty and fault == "count":
+        for key in ("log_probs", "rollout_log_probs", "loss_masks"):
+            data[key] = data[key][:-1]
+        for key in ("total_lengths", "response_lengths"):
+            data[key] = data[key][:-1]
+    elif faulty and fault == "all_none":
+        for key in ("log_probs", "rollout_log_probs", "loss_masks"):
+            data[key] = None
+    elif faulty and fault == "config":
+        args.ess_lr_floor = 0.9
+    elif faulty and fault == "nonfinite":
+        data["log_probs"][0] = data["log_probs"][0].clone().fill_(float("nan"))
+        data["loss_masks"][0] = torch.ones_like(data["loss_masks"][0])
+    elif faulty and fault == "none_result":
+        data["log_probs"] = "not a list"
+    return args, data
+
+
+def rank_faults(faulty_rank: int):
+    """Per fault: (error type name or None, message head, seconds, armed after)."""
+    lay = layout()
+    framework = _framework(lay)
+    out = {}
+    for fault in (None, *FAULTS):
+        ess_patch.arm(0.5)  # the "previous rollout": must not survive a failed one
+        args, data = _rollout(lay, fault, lay.rank == faulty_rank)
+        start = time.monotonic()
+        try:
+            result = arm_from_rollout(framework, args, data)
+            outcome = (None, result.status)
+        except Exception as exc:  # stay alive, as a Ray actor does
+            outcome = (type(exc).__name__, str(exc)[:200])
+        elapsed = time.monotonic() - start
+        armed = ess_patch.armed()
+        out[fault] = (*outcome, elapsed, None if armed is None else armed.scale)
+        dist.barrier()  # every rank got here: nobody is stuck in a collective
+    ess_patch.disarm()
+    return out
+
+
+def _expect(fault: str, rank: int, faulty: int, lay: tuple[int, int, int]) -> set[str]:
+    dp, cp, pp = lay
+    last_stage = {r for r in range(dp * cp * pp) if r // (dp * cp) == pp - 1}
+    if fault == "config":
+        return {"ConfigMismatchError", "InvalidInputsElsewhereError"}
+    if fault == "nonfinite":
+        return {"NonFiniteLogProbError", "InvalidInputsElsewhereError"}
+    if fault == "count" and cp > 1:
+        same_cp = {r for r in range(dp * cp * pp) if r // cp == faulty // cp}
+        return {"ValueError"} if rank in same_cp else {"InvalidInputsElsewhereError"}
+    if rank == faulty:
+        return {
+            "runtime": {"RuntimeError", "TypeError", "NotImplementedError", "ValueError"},
+            "index": {"IndexError", "ValueError"},
+            "count": {"ValueError"},
+            "all_none": {"ValueError"},
+            "none_result": {"TypeError", "ValueError"},
+        }[fault]
+    return {"InvalidInputsElsewhereError"}
+
+
+LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)]
+
+
+@pytest.mark.parametrize(("dp", "cp", "pp"), LAYOUTS, ids=lambda v: str(v))
+def test_every_fault_reaches_every_rank(tmp_path, dp, cp, pp):
+    world = dp * cp * pp
+    faulty = world - 1  # a rank of the last pipeline stage: the one with log-probs
+    results = run_ranks(
+        rank_faults,
+        dp=dp,
+        cp=cp,
+        pp=pp,
+        args=(faulty,),
+        tmp_path=tmp_path,
+        timeout=150,
+        collective_timeout=COLLECTIVE_TIMEOUT,
+    )
+    healthy = {r[None][1] for r in results}
+    assert healthy == {"ok"}, results[0][None]
+    for fault in FAULTS:
+        if fault in ("count", "index") and cp == 1:
+            continue  # without CP: valid input (fewer samples), or no mask slicing at all
+        if fault == "all_none" and cp == 1:
+            # without CP peers a rank with no inputs is "missing": a no-op everywhere
+            assert {r[fault][1] for r in results} == {"missing"}, [r[fault] for r in results]
+            continue
+        for rank, r in enumerate(results):
+            kind, message, elapsed, armed = r[fault]
+            if fault != "config" and kind == "ConfigMismatchError":
+                pytest.fail(f"{fault}: rank {rank} got {message}")
+            expected = _expect(fault, rank, faulty, (dp, cp, pp))
+            assert kind in expected, (fault, rank, kind, message)
+            assert armed is None, (fault, rank, "a failed rollout left a scale armed")
+            assert elapsed < COLLECTIVE_TIMEOUT / 4, (fault, rank, elapsed)
+        kinds = [r[fault][0] for r in results]
+        if fault == "config":
+            assert "ConfigMismatchError" in kinds, kinds
+        if fault == "nonfinite":
+            assert kinds[faulty] == "NonFiniteLogProbError", kinds
+
+
+def rank_outside_group():
+    lay = layout()
+    only_zero = dist.new_group([0])
+    lp, rlp, mask = [torch.zeros(3)], [torch.zeros(3)], [torch.ones(3)]
+    try:
+        ess_patch.compute_ess_lr(lp, rlp, mask, dp_group=only_zero)
+        return lay.rank, None
+    except ValueError as exc:
+        return lay.rank, str(exc)
+
+
+def test_a_rank_outside_the_group_it_is_given_raises(tmp_path):
+    results = run_ranks(rank_outside_group, dp=2, tmp_path=tmp_path, timeout=60)
+    assert results[0] == (0, None)  # rank 0 is the group's only member: local result
+    assert results[1][1] is not None and "not a member of the DP group" in results[1][1]
