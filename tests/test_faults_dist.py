@@ -104,7 +104,6 @@ def rank_faults(faulty_rank: int):
 
 def _expect(fault: str, rank: int, faulty: int, lay: tuple[int, int, int]) -> set[str]:
     dp, cp, pp = lay
-    last_stage = {r for r in range(dp * cp * pp) if r // (dp * cp) == pp - 1}
     if fault == "config":
         return {"ConfigMismatchError", "InvalidInputsElsewhereError"}
     if fault == "nonfinite":
