@@ -15,6 +15,7 @@ from .result import EssLrResult
 __all__ = ["compute_ess_lr"]
 
 
+@torch.no_grad()  # log-probs that require grad must not grow an autograd graph here
 def compute_ess_lr(
     log_probs: Sequence[torch.Tensor] | None,
     rollout_log_probs: Sequence[torch.Tensor] | None,
@@ -53,6 +54,11 @@ def compute_ess_lr(
             raised on every rank alike, naming the data-parallel rank and the sample index.
     """
     config = EssLrConfig() if config is None else config
+    if not isinstance(config, EssLrConfig):
+        raise TypeError(
+            f"config must be an EssLrConfig (from ess_patch import EssLrConfig), got "
+            f"{type(config).__name__}; build one with EssLrConfig(**your_dict)"
+        )
     distributed = group_size(cp_group) > 1 or group_size(dp_group) > 1
     missing = log_probs is None or rollout_log_probs is None
     error: Exception | None = None

@@ -329,3 +329,33 @@ def test_masked_out_nan_and_exact_counts_at_scale(mode):
     assert result.num_empty == empty
     assert result.rho == pytest.approx(ref["rho"], rel=1e-9)
     assert result.scale == pytest.approx(ref["scale"], rel=1e-9)
+
+
+# --- issue 13 item 11: autograd and config type --------------------------------------------
+
+
+def test_requires_grad_inputs_build_no_autograd_graph():
+    gen = torch.Generator().manual_seed(11)
+    lp, rlp, masks = _random_batch(gen, 16)
+    lp = [x.detach().requires_grad_(True) for x in lp]
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    # an autograd graph saves tensors for backward: under no_grad none is saved
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = compute_ess_lr(lp, rlp, masks)
+    assert saved == []
+    ref = reference_ess([x.detach() for x in lp], rlp, masks)
+    assert result.rho == pytest.approx(ref["rho"], rel=1e-9)
+    for value in (result.rho, result.scale, result.ess):
+        assert isinstance(value, float)  # plain floats: nothing to carry a grad_fn
+    assert torch.is_grad_enabled()  # the caller's grad mode is restored
+    assert all(x.grad is None for x in lp)
+
+
+def test_config_dict_is_a_clear_type_error():
+    with pytest.raises(TypeError, match="EssLrConfig"):
+        compute_ess_lr(*_batch([0.0, 1.0]), config={"weight_mode": "product"})
