@@ -90,10 +90,10 @@ def main(argv: list[str] | None = None) -> int:
 
         threads = [int(t) for t in args.threads.split(",") if t.strip()]
         if args.quick:
-            sizes, repeats = (64, 512, 4096), {64: 15, 512: 7, 4096: 3}
+            sizes, repeats = (64, 1024, 4096), {64: 15, 1024: 5, 4096: 3}
         else:
-            sizes = (64, 512, 4096, 16384)
-            repeats = {64: 30, 512: 15, 4096: 7, 16384: 5}
+            sizes = (64, 1024, 4096, 16384)
+            repeats = {64: 30, 1024: 9, 4096: 5, 16384: 3}
         text, ok = estimator_bench.run(sizes, repeats, threads)
         print("\n" + text, flush=True)
         targets.update(ok)

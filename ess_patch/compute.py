@@ -23,6 +23,7 @@ from .result import EssLrResult
 __all__ = ["compute_ess_lr"]
 
 
+@torch.no_grad()  # log-probs that require grad must not grow an autograd graph here
 def compute_ess_lr(
     log_probs: Sequence[torch.Tensor] | None,
     rollout_log_probs: Sequence[torch.Tensor] | None,

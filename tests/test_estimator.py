@@ -282,3 +282,80 @@ def test_bad_input_raises_a_clear_error(case):
     for seq, saved in zip(batch, before, strict=True):
         for t, s in zip(seq, saved, strict=True):
             assert torch.equal(t, s)  # inputs untouched
+
+
+# --- issue 18: accuracy at benchmark scale (1e-9 of the float64 reference) ------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_fp32_bf16_trajectories_within_1e9_of_float64_reference(mode, dtype):
+    # 16k-token responses in product mode: sums of 16k fp32/bf16 differences, where an
+    # fp32 subtraction or fp32 accumulation would be off by far more than 1e-9
+    gen = torch.Generator().manual_seed(18)
+    lengths = [16384, 16000, 4096, 2, 700]
+    lp, rlp, masks = [], [], []
+    for n in lengths:
+        base = -torch.rand(n, generator=gen, dtype=torch.float64) * 3
+        noise = torch.randn(n, generator=gen, dtype=torch.float64) * 1e-3
+        lp.append((base + noise).to(dtype))
+        rlp.append(base.to(dtype))
+        masks.append((torch.rand(n, generator=gen) > 0.1).to(torch.int32))
+    cfg = EssLrConfig(weight_mode=mode, floor=0.01)
+    result = compute_ess_lr(lp, rlp, masks, config=cfg)
+    wide = [x.double() for x in lp], [x.double() for x in rlp]
+    ref = reference_ess(*wide, masks, mode=mode, floor=0.01, shift=True)
+    assert result.num_trajectories == ref["num_trajectories"]
+    assert result.rho == pytest.approx(ref["rho"], rel=1e-9)
+    assert result.scale == pytest.approx(ref["scale"], rel=1e-9)
+    assert result.ess == pytest.approx(ref["ess"], rel=1e-9)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_masked_out_nan_and_exact_counts_at_scale(mode):
+    # NaN/inf under mask 0 in long trajectories, all-masked trajectories, float masks
+    # with values other than 1 (non-zero counts as masked in): counts are exact integers
+    gen = torch.Generator().manual_seed(7)
+    lp, rlp, masks = _random_batch(gen, 60, max_len=1500, scale=0.01, empty_every=9)
+    for i, (x, mask) in enumerate(zip(lp, masks, strict=True)):
+        x[mask == 0] = float("nan") if i % 2 else float("inf")
+    masks = [m.to(torch.float32) * 0.5 if i % 3 == 0 else m for i, m in enumerate(masks)]
+    result = compute_ess_lr(lp, rlp, masks, config=EssLrConfig(weight_mode=mode, floor=0.01))
+    ref = reference_ess(lp, rlp, masks, mode=mode, floor=0.01, shift=True)
+    empty = sum(int(m.count_nonzero() == 0) for m in masks)
+    assert empty > 0
+    assert result.num_nonfinite == 0
+    assert result.num_trajectories == ref["num_trajectories"] == 60 - empty
+    assert result.num_empty == empty
+    assert result.rho == pytest.approx(ref["rho"], rel=1e-9)
+    assert result.scale == pytest.approx(ref["scale"], rel=1e-9)
+
+
+# --- issue 13 item 11: autograd and config type --------------------------------------------
+
+
+def test_requires_grad_inputs_build_no_autograd_graph():
+    gen = torch.Generator().manual_seed(11)
+    lp, rlp, masks = _random_batch(gen, 16)
+    lp = [x.detach().requires_grad_(True) for x in lp]
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    # an autograd graph saves tensors for backward: under no_grad none is saved
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = compute_ess_lr(lp, rlp, masks)
+    assert saved == []
+    ref = reference_ess([x.detach() for x in lp], rlp, masks)
+    assert result.rho == pytest.approx(ref["rho"], rel=1e-9)
+    for value in (result.rho, result.scale, result.ess):
+        assert isinstance(value, float)  # plain floats: nothing to carry a grad_fn
+    assert torch.is_grad_enabled()  # the caller's grad mode is restored
+    assert all(x.grad is None for x in lp)
+
+
+def test_config_dict_is_a_clear_type_error():
+    with pytest.raises(TypeError, match="EssLrConfig"):
+        compute_ess_lr(*_batch([0.0, 1.0]), config={"weight_mode": "product"})
