@@ -132,7 +132,14 @@ def test_stress_config_is_the_selected_scenario():
 
     cfg = stress_config()
     # What benchmarks/stress_select.py chose from the off arm alone, and the four arms.
-    assert (cfg.is_level, cfg.lag, cfg.lr, cfg.steps) == ("sequence", 16, 1e-2, 150)
+    assert (cfg.is_level, cfg.lag, cfg.lr, cfg.clip_grad, cfg.steps) == (
+        "sequence",
+        16,
+        0.1,
+        1.0,
+        150,
+    )
+    assert (cfg.dp, cfg.cp, cfg.pp) == (2, 1, 1)
     assert cfg.arms == STRESS_ARMS == ("off", "geometric", "product", "constant")
     assert cfg.control_of == "product"
     assert stress_config(steps=7).steps == 7
