@@ -1,6 +1,7 @@
 """Benchmark 2: collectives per rollout for every (dp, cp, pp) layout, over real gloo ranks.
 
-Each layout runs in fresh processes (``tests/harness.py``: real Megatron ``parallel_state``).
+Each layout runs in fresh processes (the package's launcher, ``ess_patch._launch``: real Megatron
+``parallel_state``).
 Every rank holds its DP shard of a 256-trajectory batch, CP-sliced as miles slices it; the
 last pipeline stage computes ``compute_ess_lr`` and ``broadcast_from_last_stage`` gives the
 result to every stage. The minimum is one collective per parallel dimension larger than one
@@ -22,10 +23,10 @@ from .common import table, use_test_helpers, verdict
 
 use_test_helpers()
 
-from harness import layout, run_ranks  # noqa: E402
 from test_reduction_dist import cp_local, dp_shard, make_batch  # noqa: E402
 
 import ess_patch  # noqa: E402
+from ess_patch._launch import launch_ranks, layout  # noqa: E402
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)]
 NUM = 256
@@ -153,7 +154,7 @@ def rank_step_collectives() -> dict:
 def run(layouts=LAYOUTS) -> tuple[str, dict[str, bool]]:
     rows, ok_min = [], True
     for dp, cp, pp in layouts:
-        results = run_ranks(rank_rollout, dp=dp, cp=cp, pp=pp, args=(7,), timeout=120)
+        results = launch_ranks(rank_rollout, dp=dp, cp=cp, pp=pp, args=(7,), timeout=120)
         minimum = sum(size > 1 for size in (dp, cp, pp))
         last = [r for r in results if r["last"]]
         other = [r for r in results if not r["last"]]
@@ -198,7 +199,7 @@ def run(layouts=LAYOUTS) -> tuple[str, dict[str, bool]]:
             "each, gloo)"
         ),
     )
-    step = run_ranks(rank_step_collectives, dp=2, timeout=180)
+    step = launch_ranks(rank_step_collectives, dp=2, timeout=180)
     step_rows, ok_zero = [], True
     base = [sorted(n for n, _ in r["unpatched"]) for r in step]
     for variant in ("unpatched", "disabled", "armed"):

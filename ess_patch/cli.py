@@ -58,8 +58,31 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument(
         "--quick", action="store_true", help="a smoke run of a few seconds (12 steps, lag 4)"
     )
+    demo.add_argument(
+        "--scenario",
+        choices=("default", "stress"),
+        default="default",
+        help="stress: stale rollouts, untruncated sequence-level IS, arms off / geometric / "
+        "product / constant-LR control over paired seeds [default]",
+    )
+    demo.add_argument("--seeds", type=int, help="stress: paired seeds 0..N-1 [8; --quick: 2]")
+    demo.add_argument(
+        "--lags",
+        type=_int_list,
+        help="stress: also sweep these max lags, e.g. 0,4,16,64 (final reward vs lag figure)",
+    )
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give integers separated by commas") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more lags >= 0")
+    return values
 
 
 def _importable(module: str) -> bool:
@@ -83,6 +106,11 @@ def _run_demo(args: argparse.Namespace) -> int:
             "pip install 'ess-patch[demo]'",
             file=sys.stderr,
         )
+        return 2
+    if args.scenario == "stress":
+        return _run_stress(args)
+    if args.seeds is not None or args.lags is not None:
+        print("ess-patch demo: --seeds and --lags need --scenario stress", file=sys.stderr)
         return 2
     from tqdm import tqdm
 
@@ -135,6 +163,75 @@ def _run_demo(args: argparse.Namespace) -> int:
     )
     print(f"finished in {result.wall_s:.0f}s; outputs in {result.out_dir.resolve()}:")
     for path in (result.figure, result.records_path, result.summary_path):
+        print(f"  {path.name}")
+    return 0
+
+
+def _run_stress(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from .demo.launch import DemoError
+    from .demo.stress import QUICK_STEPS, run_stress, stress_config
+
+    options = {
+        name: getattr(args, name)
+        for name in ("steps", "lag", "dp", "cp", "pp", "floor")
+        if getattr(args, name) is not None
+    }
+    if args.quick:
+        options.setdefault("steps", QUICK_STEPS)
+    seeds = args.seeds if args.seeds is not None else (2 if args.quick else 8)
+    if args.seed is not None or args.weight_mode is not None:
+        print(
+            "ess-patch demo: --scenario stress runs seeds 0..N-1 (--seeds) and both weight "
+            "modes; drop --seed / --weight-mode",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        cfg = stress_config(**options)
+        if seeds < 2:
+            raise ValueError(f"--seeds {seeds}: paired statistics need at least 2 seeds")
+    except ValueError as exc:
+        print(f"ess-patch demo: {exc}", file=sys.stderr)
+        return 2
+    lags = sorted({cfg.lag, *(args.lags or ())})
+    out = args.out
+    if out is None:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        out = Path("ess-demo-out") / f"stress-{stamp}"
+    print(
+        f"ess-patch demo --scenario stress: {cfg.world_size} ranks, {cfg.steps} steps, "
+        f"{cfg.is_level}-level IS, lr {cfg.lr:g}, max lag {', '.join(map(str, lags))}; "
+        f"{seeds} paired seeds x arms {', '.join(cfg.arms)}"
+    )
+    bar = tqdm(
+        total=len(lags) * seeds * len(cfg.arms) * cfg.steps,
+        unit="step",
+        disable=args.no_progress,
+        dynamic_ncols=True,
+    )
+
+    def on_step(lag: int, seed: int, arm: str, step: int) -> None:
+        bar.set_description(f"lag {lag} seed {seed} {arm}", refresh=False)
+        bar.update(1)
+
+    try:
+        result = run_stress(cfg, out, seeds=seeds, lags=lags, on_step=on_step)
+    except DemoError as exc:
+        bar.close()
+        print(str(exc), file=sys.stderr)
+        return 1
+    bar.close()
+    print()
+    print(result.table)
+    print()
+    print(
+        "collapsed = the smoothed reward ends more than half of its peak gain below the peak; "
+        "constant = armed every step with the mean scale of the same seed's product run"
+    )
+    print(f"finished in {result.wall_s:.0f}s; outputs in {result.out_dir.resolve()}:")
+    for path in (result.figure, result.table_path, result.steps_path, result.summary_path):
         print(f"  {path.name}")
     return 0
 

@@ -122,3 +122,101 @@ def test_collapse_criterion():
     assert report.collapsed(rising + [0.1] * 40)  # gave back all its gain
     assert not report.collapsed([0.1] * 100)  # never learned: nothing to collapse
     assert report.collapsed([0.1, float("nan")])
+
+
+# --- stress scenario (issue 15) ---------------------------------------------------------------
+
+
+def test_stress_config_is_the_selected_scenario():
+    from ess_patch.demo.stress import STRESS_ARMS, stress_config
+
+    cfg = stress_config()
+    # What benchmarks/stress_select.py chose from the off arm alone, and the four arms.
+    assert (cfg.is_level, cfg.lag, cfg.lr, cfg.clip_grad, cfg.steps) == (
+        "sequence",
+        16,
+        0.1,
+        1.0,
+        150,
+    )
+    assert (cfg.dp, cfg.cp, cfg.pp) == (2, 1, 1)
+    assert cfg.arms == STRESS_ARMS == ("off", "geometric", "product", "constant")
+    assert cfg.control_of == "product"
+    assert stress_config(steps=7).steps == 7
+
+
+def test_constant_arm_must_follow_its_control():
+    from ess_patch.demo import DemoConfig
+
+    with pytest.raises(ValueError, match="control_of='product', which must come before it"):
+        DemoConfig(arms=("off", "constant", "product"))
+    with pytest.raises(ValueError, match="is_level='tokens'"):
+        DemoConfig(is_level="tokens")
+
+
+def test_bootstrap_ci_hand_values():
+    from ess_patch.demo.stats import bootstrap_ci
+
+    assert bootstrap_ci([0.3] * 5) == (0.3, 0.3)
+    # Two values: resampled means are a, (a+b)/2, b with P = 1/4, 1/2, 1/4, so the 2.5% and
+    # 97.5% points are a and b.
+    assert bootstrap_ci([1.0, 3.0]) == (1.0, 3.0)
+    # [0, 0, 0, 0, 1]: the resampled mean is Binomial(5, 0.2) / 5. P(0) = 0.328 > 2.5%, so
+    # the low end is 0; P(k <= 2) = 0.942 < 97.5% <= P(k <= 3) = 0.993, so the high end is 0.6.
+    assert bootstrap_ci([0.0, 0.0, 0.0, 0.0, 1.0]) == (0.0, 0.6)
+    # 80%: P(k <= 1) = 0.737 < 90% <= P(k <= 2) = 0.942, so 0.4.
+    assert bootstrap_ci([0.0, 0.0, 0.0, 0.0, 1.0], level=0.8) == (0.0, 0.4)
+    with pytest.raises(ValueError, match="at least one value"):
+        bootstrap_ci([])
+
+
+def test_paired_differences_hand_values():
+    from ess_patch.demo.stats import paired
+
+    p = paired("product", [0.5, 0.7, 0.2, 0.9], "off", [0.25, 0.7, 0.5, 0.4])
+    assert p.diffs == (0.25, 0.0, -0.3, 0.5)
+    assert p.mean == pytest.approx(0.1125)
+    assert p.wins == 2 and p.n == 4  # a tie is not a win
+    assert -0.3 <= p.ci_low <= p.mean <= p.ci_high <= 0.5
+    with pytest.raises(ValueError, match="paired\\('product', 'off'\\): need the same"):
+        paired("product", [0.1, 0.2], "off", [0.1])
+
+
+def test_stress_flags_need_the_stress_scenario(capsys):
+    assert cli.main(["demo", "--seeds", "3", "--no-progress"]) == 2
+    assert "--seeds and --lags need --scenario stress" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--scenario", "stress", "--lags", "4,x"])
+
+
+def test_short_stress_run_pairs_arms(tmp_path):
+    from ess_patch.demo.stress import run_stress, stress_config
+
+    cfg = stress_config(steps=6, lag=4)
+    result = run_stress(cfg, tmp_path, seeds=2)
+    rows = [json.loads(line) for line in result.steps_path.read_text().splitlines()]
+    for seed in (0, 1):
+        by_arm = {
+            arm: sorted(
+                (r for r in rows if r["seed"] == seed and r["arm"] == arm), key=lambda r: r["step"]
+            )
+            for arm in cfg.arms
+        }
+        # Same seed per arm: the first rollout (same weights, same sampling seed) is identical.
+        first = {arm: (rs[0]["reward"], rs[0]["rho"]) for arm, rs in by_arm.items()}
+        assert len(set(first.values())) == 1, first
+        # The control's multiplier is the mean scale of the same seed's product run.
+        product_scales = [r["lr_scale"] for r in by_arm["product"]]
+        mean_scale = sum(product_scales) / len(product_scales)
+        assert product_scales != [1.0] * len(product_scales)  # it did brake
+        for r in by_arm["constant"]:
+            assert _rel_close(r["lr_scale"], mean_scale)
+            assert _rel_close(r["applied_lr"], r["scheduled_lr"] * mean_scale, rel=1e-5)
+        assert all(r["lr_scale"] == 1.0 for r in by_arm["off"])
+    main = result.summary["by_lag"]["4"]
+    off = [main["runs"][str(s)]["off"]["final_reward"] for s in (0, 1)]
+    prod = [main["runs"][str(s)]["product"]["final_reward"] for s in (0, 1)]
+    pair = next(p for p in main["paired"] if p["arm"] == "product" and p["base"] == "off")
+    assert pair["diffs"] == pytest.approx([p - o for p, o in zip(prod, off)])
+    assert "| product - constant |" in result.table
+    assert result.figure.read_bytes()[:8] == PNG_MAGIC

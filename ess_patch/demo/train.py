@@ -59,7 +59,15 @@ __all__ = ["ARMS", "DemoConfig", "run_rank"]
 
 logger = logging.getLogger(__name__)
 
-ARMS = ("off", "on")
+#: "off": never armed; "on": ESS-LR with ``weight_mode``; "geometric" / "product": ESS-LR with
+#: that weight mode; "constant": armed every step with one fixed scale, the mean scale of the
+#: ``control_of`` arm in the same run (a smaller LR that does not look at staleness).
+ARMS = ("off", "on", "geometric", "product", "constant")
+DEFAULT_ARMS = ("off", "on")
+#: How the policy-gradient loss weights a trajectory's tokens: "token": each token by its own
+#: ratio ``exp(logp_t - rollout_logp_t)``; "sequence": every token by the trajectory's ratio
+#: ``exp(sum_t (logp_t - rollout_logp_t))`` (sequence-level IS, untruncated).
+IS_LEVELS = ("token", "sequence")
 #: Log-ratios are clamped to +-this before exp() only so that float32 stays finite; the
 #: number of clamped tokens is recorded per step (``clamped_tokens``).
 MAX_LOG_RATIO = 20.0
@@ -83,7 +91,9 @@ class DemoConfig:
     clip_grad: float = 1.0
     prompts_per_rank: int = 8
     group_size: int = 4
-    arms: tuple[str, ...] = ARMS
+    arms: tuple[str, ...] = DEFAULT_ARMS
+    is_level: str = "token"
+    control_of: str = "product"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "arms", tuple(self.arms))
@@ -98,6 +108,20 @@ class DemoConfig:
                 f"DemoConfig.pp={self.pp}: the demo policy has {NUM_BLOCKS + 2} parts, so at most "
                 f"{NUM_BLOCKS + 2} pipeline stages"
             )
+        if (
+            "constant" in self.arms
+            and self.control_of not in self.arms[: self.arms.index("constant")]
+        ):
+            raise ValueError(
+                f"DemoConfig.arms={self.arms!r}: the 'constant' arm copies the mean scale of "
+                f"control_of={self.control_of!r}, which must come before it"
+            )
+        if self.control_of not in ("on", "geometric", "product"):
+            raise ValueError(
+                f"DemoConfig.control_of={self.control_of!r}: give 'on', 'geometric' or 'product'"
+            )
+        if self.is_level not in IS_LEVELS:
+            raise ValueError(f"DemoConfig.is_level={self.is_level!r}: give one of {IS_LEVELS}")
         if self.lag < 0:
             raise ValueError(f"DemoConfig.lag={self.lag} must be >= 0")
         self.ess_config()  # validates floor / weight_mode / rule
@@ -106,8 +130,10 @@ class DemoConfig:
     def world_size(self) -> int:
         return self.dp * self.cp * self.pp
 
-    def ess_config(self) -> EssLrConfig:
-        return EssLrConfig(floor=self.floor, weight_mode=self.weight_mode, rule=self.rule)
+    def ess_config(self, arm_name: str | None = None) -> EssLrConfig:
+        """The ESS-LR config of an arm: its own weight mode for "geometric" / "product"."""
+        mode = arm_name if arm_name in ("geometric", "product") else self.weight_mode
+        return EssLrConfig(floor=self.floor, weight_mode=mode, rule=self.rule)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -158,8 +184,13 @@ def run_rank(cfg: DemoConfig, progress: Any = None) -> list[dict[str, Any]] | No
     ess_patch.install(["megatron"], config=cfg.ess_config())
     try:
         records: list[dict[str, Any]] = []
+        mean_scale: dict[str, float] = {}
         for arm_name in cfg.arms:
-            records += _train_arm(cfg, arm_name, lay, progress)
+            constant = mean_scale.get(cfg.control_of, 1.0)
+            arm_records, scales = _train_arm(cfg, arm_name, lay, progress, constant)
+            records += arm_records
+            # Every rank holds the same scales (broadcast over PP, reduced over DP and CP).
+            mean_scale[arm_name] = sum(scales) / len(scales)
     finally:
         disarm()
         ess_patch.uninstall()
@@ -232,7 +263,10 @@ def _local_index(lay: _Layout, cp: int) -> torch.Tensor:
     return torch.cat([torch.arange(a0, a1), torch.arange(b0, b1)])
 
 
-def _train_arm(cfg: DemoConfig, arm_name: str, lay: _Layout, progress: Any) -> list[dict[str, Any]]:
+def _train_arm(
+    cfg: DemoConfig, arm_name: str, lay: _Layout, progress: Any, constant: float
+) -> tuple[list[dict[str, Any]], list[float]]:
+    """One arm's run; returns the writer's records and the LR scale applied at each step."""
     torch.manual_seed(cfg.seed)
     net = PolicyNet()
     bounds = stage_bounds(len(net.parts), cfg.pp)
@@ -250,7 +284,8 @@ def _train_arm(cfg: DemoConfig, arm_name: str, lay: _Layout, progress: Any) -> l
         leaf.optimizer.register_step_pre_hook(record_lr)
         for leaf in getattr(optimizer, "chained_optimizers", [optimizer])
     ]
-    ess_config = cfg.ess_config()
+    ess_config = cfg.ess_config(arm_name)
+    scales: list[float] = []
     targets = make_targets(cfg.seed)
     versions: deque[dict[str, torch.Tensor]] = deque([_snapshot(net)], maxlen=cfg.lag + 1)
     idx = _local_index(lay, cfg.cp)
@@ -307,15 +342,27 @@ def _train_arm(cfg: DemoConfig, arm_name: str, lay: _Layout, progress: Any) -> l
             )
             stats = _step_stats(detached, rollout_logp, mask, batch, lay)
         result = broadcast_from_last_stage(result, lay.pp_group)
-        if arm_name == "on":
-            arm(result)
+        if arm_name in ("on", "geometric", "product"):
+            scales.append(arm(result).scale)
+        elif arm_name == "constant":
+            scales.append(arm(constant).scale)
         else:
             disarm()
+            scales.append(1.0)
 
         # 4. backward, DDP reduction, the (patched) megatron step, the scheduler
         if last:
-            log_ratio = (logp - rollout_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-            per_token = -batch.advantages[:, None] * torch.exp(log_ratio) * mask
+            if cfg.is_level == "sequence":
+                # grad of exp(S_i) is exp(S_i) * grad S_i: weight each token's logp by the
+                # trajectory's ratio, summed over all CP chunks of it.
+                seq = ((logp.detach() - rollout_logp) * mask).sum(dim=1)
+                if cfg.cp > 1:
+                    dist.all_reduce(seq, group=lay.cp_group)
+                weight = torch.exp(seq.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+                per_token = -batch.advantages[:, None] * weight[:, None] * logp * mask
+            else:
+                log_ratio = (logp - rollout_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+                per_token = -batch.advantages[:, None] * torch.exp(log_ratio) * mask
             # DDP averages over DP x CP; each CP rank holds a part of the per-DP-rank sum
             loss = per_token.sum() * cfg.cp / (n_traj * RESPONSE_LEN)
             loss.backward()
@@ -346,7 +393,7 @@ def _train_arm(cfg: DemoConfig, arm_name: str, lay: _Layout, progress: Any) -> l
                     "rho": result.rho,
                     "ess": result.ess,
                     "num_trajectories": result.num_trajectories,
-                    "lr_scale": result.scale if arm_name == "on" else 1.0,
+                    "lr_scale": scales[-1],
                     "scheduled_lr": scheduled[0],
                     "applied_lr": applied[0] if applied else math.nan,
                     "scheduled_lrs": scheduled,
@@ -360,7 +407,7 @@ def _train_arm(cfg: DemoConfig, arm_name: str, lay: _Layout, progress: Any) -> l
     for hook in hooks:
         hook.remove()
     disarm()
-    return records
+    return records, scales
 
 
 def _step_stats(
