@@ -69,7 +69,7 @@ def write_per_rank(folder: Path, rid: int, samples: list[dict], *, dp=2, cp=2, l
             torch.save(payload, folder / f"{rid}_{rank}.pt")
 
 
-SIGMAS = [0.01, 0.1, 0.3, 0.6]
+SIGMAS = [0.01, 0.1, 0.3, 0.6, 0.15, 1.2]
 
 
 @pytest.fixture

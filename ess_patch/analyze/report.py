@@ -205,16 +205,23 @@ def _figure(path: Path, rows: list[dict], settings: Sequence[Setting]) -> None:
     ax_rho.set_ylabel("rho = ESS / B")
     ax_rho.set_ylim(0, 1.05)
     ax_rho.legend(title="weight mode", fontsize=8)
+    floors = list(dict.fromkeys(s.floor for s in settings))
+    styles = ("-", "--", ":", "-.")
     for s in settings:
         pts = [
             (r["rollout_id"], r["scale"])
             for r in rows
             if (r["weight_mode"], r["rule"], r["floor"]) == (s.weight_mode, s.rule, s.floor)
         ]
-        ax_scale.step([p[0] for p in pts], [p[1] for p in pts], where="mid", label=s.label)
+        # One line style per floor: settings that never reach their floor overlap otherwise.
+        style = styles[floors.index(s.floor) % len(styles)]
+        ax_scale.step(
+            [p[0] for p in pts], [p[1] for p in pts], where="mid", ls=style, label=s.label
+        )
     ax_scale.axhline(1.0, color="grey", lw=0.8, ls=":")
     ax_scale.set_ylabel("LR scale it would apply")
     ax_scale.set_xlabel("rollout id")
+    ax_scale.xaxis.get_major_locator().set_params(integer=True)
     ax_scale.set_ylim(0, 1.05)
     ax_scale.legend(fontsize=7, ncol=2)
     fig.suptitle("ess-patch analyze: below 1 = ESS-LR would brake")
