@@ -23,6 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .patches_cli import add_parser as add_patches_parser
 
     add_patches_parser(subparsers)
+    from .analyze.cli import add_parser as add_analyze_parser
+
+    add_analyze_parser(subparsers)
     subparsers.add_parser(
         "doctor",
         help="report versions, patch targets and activation; exit 1 if anything is wrong",
@@ -244,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "demo":
         return _run_demo(args)
-    if args.command == "patches":
+    if args.command in ("patches", "analyze"):
         return args.func(args)
     if args.command == "doctor":
         return _run_doctor()
