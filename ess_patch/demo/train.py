@@ -105,8 +105,7 @@ class DemoConfig:
             raise DemoConfigError(
                 "pp",
                 self.pp,
-                f"the demo policy has {NUM_BLOCKS + 2} parts, so at most "
-                f"{NUM_BLOCKS + 2} pipeline stages",
+                f"must be at most {NUM_BLOCKS + 2}, the number of parts of the demo policy",
             )
         if self.lag < 0:
             raise DemoConfigError("lag", self.lag, "must be >= 0")
