@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,13 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     demo = subparsers.add_parser(
         "demo",
-        help="run a small async-RL training on CPU with ESS-LR off and on (needs ess-patch[demo])",
+        help="run a small async-RL training on CPU with ESS-LR off and on (needs the demo extra)",
         description=(
             "Trains a tiny policy with off-policy policy gradient over local gloo ranks, using "
             "megatron-core's real optimizer and LR scheduler patched by ess_patch.install(). "
             "Rollouts come from stale copies of the policy (up to --lag updates old). Two arms "
-            "with the same seeds: ESS-LR off and on. Writes steps.jsonl, summary.json and "
-            "ess_demo.png to the output folder."
+            "with the same seeds: ESS-LR off and on. Writes config.json, steps.jsonl, "
+            "summary.json, ess_demo.png and ranks/ (each rank's log) to the output folder."
         ),
     )
     demo.add_argument("--steps", type=int, help="optimizer steps (= rollouts) per arm [400]")
@@ -97,6 +98,31 @@ def _importable(module: str) -> bool:
         return False
 
 
+def _install_hint(extra: str) -> str:
+    """How to add ``extra`` where this ess-patch came from (it is not on a package index)."""
+    root = Path(__file__).resolve().parents[1]
+    if (root / "pyproject.toml").is_file():  # a checkout (editable or source run)
+        return f"pip install -e '{root}[{extra}]'"
+    return f"pip install -e '.[{extra}]' from an ess-patch checkout"
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _out_problem(out: Path) -> str | None:
+    """Why ``out`` cannot be the demo's output folder (created if absent), else ``None``."""
+    if out.exists() and not out.is_dir():
+        return f"--out {out}: is a file, not a folder; give a folder (created if absent)"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"--out {out}: cannot create the folder ({exc.strerror or exc})"
+    if not os.access(out, os.W_OK | os.X_OK):
+        return f"--out {out}: the folder is not writable; give another one"
+    return None
+
+
 def _run_demo(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
@@ -106,7 +132,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     if missing:
         print(
             f"ess-patch demo: {', '.join(missing)} not installed; install the demo extra: "
-            "pip install 'ess-patch[demo]'",
+            + _install_hint("demo"),
             file=sys.stderr,
         )
         return 2
@@ -119,6 +145,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     from .demo import DemoConfig, quick_config, run
     from .demo.launch import DemoError
+    from .demo.train import DemoConfigError
 
     options = {
         name: getattr(args, name)
@@ -127,13 +154,19 @@ def _run_demo(args: argparse.Namespace) -> int:
     }
     try:
         cfg = quick_config(**options) if args.quick else DemoConfig(**options)
-    except ValueError as exc:
-        print(f"ess-patch demo: {exc}", file=sys.stderr)
+    except DemoConfigError as exc:  # name the flag the user typed, not the dataclass field
+        print(
+            f"ess-patch demo: {_flag(exc.field)} {exc.problem} (got {exc.value})", file=sys.stderr
+        )
         return 2
     out = args.out
     if out is None:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         out = Path("ess-demo-out") / stamp
+    problem = _out_problem(out)
+    if problem:
+        print(f"ess-patch demo: {problem}", file=sys.stderr)
+        return 2
     print(
         f"ess-patch demo: {cfg.world_size} ranks (dp={cfg.dp} cp={cfg.cp} pp={cfg.pp}), "
         f"{cfg.steps} steps per arm, max lag {cfg.lag}, {cfg.weight_mode} weights, "
@@ -156,6 +189,10 @@ def _run_demo(args: argparse.Namespace) -> int:
         bar.close()
         print(str(exc), file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the launcher has killed and joined the ranks on the way out
+        bar.close()
+        print(f"ess-patch demo: interrupted; partial outputs in {out}", file=sys.stderr)
+        return 130
     bar.close()
     print()
     print(result.table)
@@ -167,6 +204,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     print(f"finished in {result.wall_s:.0f}s; outputs in {result.out_dir.resolve()}:")
     for path in (result.figure, result.records_path, result.summary_path):
         print(f"  {path.name}")
+    print("  config.json, ranks/ (the run's settings; each rank's log)")
     return 0
 
 
@@ -241,7 +279,9 @@ def _run_stress(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the usage of the (sub)command the user typed, not the top-level one
+        _subparser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return 0
@@ -252,6 +292,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "doctor":
         return _run_doctor()
     return 0
+
+
+def _subparser(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> argparse.ArgumentParser:
+    """The deepest sub-parser ``args`` went through (``demo``, ``patches check`` ...)."""
+    for dest in ("command", "patches_command"):
+        actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(args, dest, None)
+        if not actions or name not in actions[0].choices:
+            break
+        parser = actions[0].choices[name]
+    return parser
 
 
 def _run_doctor() -> int:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import patchset
+from .patches_compat import PYTHON
 from .patchset import PatchsetError, State
 
 __all__ = ["add_parser", "main", "run"]
@@ -87,7 +88,10 @@ def _fill(parser: argparse.ArgumentParser) -> None:
         help="megatron-core releases vs the series and install()'s symbols (markdown table)",
     )
     p.add_argument(
-        "--versions", nargs="+", help="default: every final release >= 0.14 on the index"
+        "--versions",
+        nargs="+",
+        help=f"default: every final release >= 0.14 on the index with a Python {PYTHON} wheel "
+        f"(the table targets Python {PYTHON}: wheels are fetched for it, never installed)",
     )
     p.add_argument(
         "--cache",

@@ -146,7 +146,7 @@ def compat_rows(
     rows = []
     for version in versions:
         if progress:
-            progress(f"megatron-core {version}: fetching and checking")
+            progress(f"megatron-core {version} (Python {PYTHON} wheel): fetching and checking")
         wheel = fetch_wheel(version, cache)
         with tempfile.TemporaryDirectory(prefix=f"ess-patch-compat-{version}-") as tmp:
             rows.append(check_tree(version, unpack_core(wheel, Path(tmp))))

@@ -220,3 +220,38 @@ def test_short_stress_run_pairs_arms(tmp_path):
     assert pair["diffs"] == pytest.approx([p - o for p, o in zip(prod, off)])
     assert "| product - constant |" in result.table
     assert result.figure.read_bytes()[:8] == PNG_MAGIC
+
+
+def _rows(arm: str, scales: list[float]) -> list[dict]:
+    return [
+        {"arm": arm, "step": i, "reward": 0.5, "rho": s * s, "lr_scale": s,
+         "scheduled_lr": 1e-2, "applied_lr": 1e-2 * s, "mismatch": 0.1}
+        for i, s in enumerate(scales)
+    ]  # fmt: skip
+
+
+def test_table_counts_scaled_steps():
+    """399 of 400 steps scaled reads 399/400, not a rounded "100%"."""
+    records = _rows("off", [1.0] * 400) + _rows("on", [1.0] + [0.99] * 399)
+    summaries = report.summarize(records, ("off", "on"))
+    assert [(s.scaled_steps, s.steps) for s in summaries] == [(0, 400), (399, 400)]
+    table = report.format_table(summaries)
+    assert "0/400 steps" in table and "399/400 steps" in table
+    assert "%" not in table
+
+
+def test_rho_and_scale_axes_follow_the_data():
+    """rho in [0.95, 1]: the axis spans about that range (not 0-1) and keeps a line at 1.0."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    try:
+        report._scale_to_data(ax, [0.95, 0.97, 1.0])
+        low, high = ax.get_ylim()
+        assert 0.9 < low < 0.95 and 1.0 < high < 1.01
+        assert any(list(line.get_ydata()) == [1.0, 1.0] for line in ax.get_lines())
+    finally:
+        plt.close(fig)

@@ -36,6 +36,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from skips import missing_snapshot
 
 import ess_patch
 import ess_patch.vendored
@@ -462,13 +463,7 @@ FRAMEWORKS = {
 
 
 def _snapshot_skip(component: str) -> str | None:
-    var = FRAMEWORKS[component][0]
-    value = os.environ.get(var)
-    if not value:
-        return f"{var} is not set (it points at the upstream {component} snapshot)"
-    if not (Path(value) / component / "__init__.py").is_file():
-        return f"{var}={value} holds no {component}/__init__.py"
-    return None
+    return missing_snapshot(FRAMEWORKS[component][0], component, f"{component}/__init__.py")
 
 
 def _framework_params():

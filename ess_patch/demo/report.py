@@ -34,7 +34,8 @@ class ArmSummary:
     final_reward: float  # smoothed, last window
     best_reward: float  # best smoothed value
     min_rho: float
-    scaled_fraction: float  # steps whose applied LR was below the scheduled one
+    scaled_steps: int  # steps whose applied LR was below the scheduled one
+    scaled_fraction: float  # scaled_steps / steps
     mean_lr_scale: float
     collapsed: bool
 
@@ -84,6 +85,7 @@ def summarize(records: Sequence[dict[str, Any]], arms: Sequence[str]) -> list[Ar
                 final_reward=s[-1],
                 best_reward=max(s),
                 min_rho=min((r["rho"] for r in rows), default=math.nan),
+                scaled_steps=len(scaled),
                 scaled_fraction=len(scaled) / len(rows) if rows else math.nan,
                 mean_lr_scale=sum(scales) / len(scales) if scales else math.nan,
                 collapsed=collapsed(rewards),
@@ -113,7 +115,7 @@ def format_table(summaries: Sequence[ArmSummary]) -> str:
             f"{s.final_reward:.3f}",
             f"{s.best_reward:.3f}",
             f"{s.min_rho:.3f}",
-            f"{100 * s.scaled_fraction:.0f}% of steps",
+            f"{s.scaled_steps}/{s.steps} steps",  # a count: 399/400 is not "100%"
             f"{s.mean_lr_scale:.3f}",
             "YES" if s.collapsed else "no",
         )
@@ -132,6 +134,18 @@ def write_jsonl(records: Sequence[dict[str, Any]], path: Path) -> None:
 
 
 _COLORS = {"off": "tab:red", "on": "tab:blue"}
+
+
+def _scale_to_data(ax: Any, values: Sequence[float]) -> None:
+    """A y-axis that shows how far ``values`` (all <= 1) dip, with a reference line at 1.0.
+
+    With geometric weights rho stays above ~0.95: on a 0-1 axis it is a flat line at the top.
+    """
+    finite = [v for v in values if math.isfinite(v)]
+    low = min(finite, default=0.0)
+    pad = max(0.08 * (1.0 - low), 1e-3)
+    ax.set_ylim(low - pad, 1.0 + pad)
+    ax.axhline(1.0, color="0.4", linestyle="--", linewidth=0.8, label="1.0 (no scaling)")
 
 
 def write_figure(
@@ -160,9 +174,10 @@ def write_figure(
     axes[0].set_ylabel("reward\n(rollout mean)")
     axes[1].set_ylabel("rho = ESS / B")
     axes[2].set_ylabel("lr_scale\n(applied / scheduled)")
-    axes[3].set_ylabel("mean |logp_train -\nlogp_rollout|")
-    axes[1].set_ylim(0, 1.05)
-    axes[2].set_ylim(0, 1.05)
+    axes[3].set_ylabel("mismatch\nmean |Δ logp|")
+    axes[3].set_title("train/rollout mismatch: mean |logp_train - logp_rollout|", fontsize=9)
+    for ax, key in ((axes[1], "rho"), (axes[2], "lr_scale")):
+        _scale_to_data(ax, [r[key] for r in records if r["arm"] in arms])
     axes[3].set_xlabel("optimizer step (= rollout)")
     for ax in axes:
         ax.grid(alpha=0.3)

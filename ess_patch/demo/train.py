@@ -55,7 +55,7 @@ from .task import (
     stage_bounds,
 )
 
-__all__ = ["ARMS", "DemoConfig", "run_rank"]
+__all__ = ["ARMS", "DemoConfig", "DemoConfigError", "run_rank"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,14 @@ IS_LEVELS = ("token", "sequence")
 #: Log-ratios are clamped to +-this before exp() only so that float32 stays finite; the
 #: number of clamped tokens is recorded per step (``clamped_tokens``).
 MAX_LOG_RATIO = 20.0
+
+
+class DemoConfigError(ValueError):
+    """A :class:`DemoConfig` field is out of range; ``field`` names it (the CLI: a flag)."""
+
+    def __init__(self, field: str, value: Any, problem: str) -> None:
+        self.field, self.value, self.problem = field, value, problem
+        super().__init__(f"DemoConfig.{field}={value!r}: {problem}")
 
 
 @dataclass(frozen=True)
@@ -99,14 +107,15 @@ class DemoConfig:
         object.__setattr__(self, "arms", tuple(self.arms))
         unknown = [a for a in self.arms if a not in ARMS]
         if unknown or not self.arms:
-            raise ValueError(f"DemoConfig.arms={self.arms!r}: give one or more of {ARMS}")
+            raise DemoConfigError("arms", self.arms, f"give one or more of {ARMS}")
         for name in ("steps", "dp", "cp", "pp", "prompts_per_rank", "group_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"DemoConfig.{name}={getattr(self, name)} must be >= 1")
+                raise DemoConfigError(name, getattr(self, name), "must be >= 1")
         if self.pp > NUM_BLOCKS + 2:
-            raise ValueError(
-                f"DemoConfig.pp={self.pp}: the demo policy has {NUM_BLOCKS + 2} parts, so at most "
-                f"{NUM_BLOCKS + 2} pipeline stages"
+            raise DemoConfigError(
+                "pp",
+                self.pp,
+                f"must be at most {NUM_BLOCKS + 2}, the number of parts of the demo policy",
             )
         if (
             "constant" in self.arms
@@ -123,8 +132,13 @@ class DemoConfig:
         if self.is_level not in IS_LEVELS:
             raise ValueError(f"DemoConfig.is_level={self.is_level!r}: give one of {IS_LEVELS}")
         if self.lag < 0:
-            raise ValueError(f"DemoConfig.lag={self.lag} must be >= 0")
-        self.ess_config()  # validates floor / weight_mode / rule
+            raise DemoConfigError("lag", self.lag, "must be >= 0")
+        for name in ("floor", "weight_mode", "rule"):
+            try:  # one field at a time, so the error names the field that is wrong
+                EssLrConfig(**{name: getattr(self, name)})
+            except ValueError as exc:
+                problem = str(exc).removeprefix(f"EssLrConfig.{name}={getattr(self, name)!r} ")
+                raise DemoConfigError(name, getattr(self, name), problem) from None
 
     @property
     def world_size(self) -> int:

@@ -44,6 +44,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+_TESTS_DIR = str(Path(__file__).resolve().parents[1])
+if _TESTS_DIR not in sys.path:  # tests/, for the shared skip wording (also in subprocesses)
+    sys.path.insert(0, _TESTS_DIR)
+
+from skips import missing_packages, missing_snapshot  # noqa: E402
+
 __all__ = [
     "ENV_VARS",
     "STUBS_DIR",
@@ -88,13 +94,8 @@ _INSTALL_HINT = {
 
 def _snapshot_dir(name: str) -> tuple[Path | None, str | None]:
     var = ENV_VARS[name]
-    value = os.environ.get(var)
-    if not value:
-        return None, f"{var} is not set (it points at the upstream {name} snapshot)"
-    root = Path(value)
-    if not (root / _PACKAGE_DIR[name]).is_dir():
-        return None, f"{var}={value} has no {_PACKAGE_DIR[name]}/ folder"
-    return root, None
+    reason = missing_snapshot(var, name, _PACKAGE_DIR[name])
+    return (None, reason) if reason else (Path(os.environ[var]), None)
 
 
 def _missing_packages(names: Sequence[str]) -> list[str]:
@@ -135,9 +136,8 @@ def skip_reason(framework: str, tier: str = "loss") -> str | None:
         roots.append(root)
     missing = _missing_packages(TIER_PACKAGES[(framework, tier)])
     if missing:
-        return (
-            f"the {tier!r} tier of the {framework} tests needs {', '.join(missing)} "
-            f"({_INSTALL_HINT[tier]})"
+        return missing_packages(
+            f"the {tier!r} tier of the {framework} tests", missing, _INSTALL_HINT[tier]
         )
     for root in roots:
         _prepend(root)
