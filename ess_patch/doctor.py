@@ -98,7 +98,7 @@ def _versions(report: Report) -> None:
                     f"{supported}; use a supported release or the patches/ "
                     "series for your version",
                 )
-    for name in ("miles", "slime"):
+    for name in ("miles", "slime", "megatron.rl"):
         spec = importlib.util.find_spec(name) if _findable(name) else None
         location = (
             spec.submodule_search_locations[0] if spec and spec.submodule_search_locations else None
