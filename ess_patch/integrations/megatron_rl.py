@@ -268,6 +268,12 @@ def _packed_inputs(
             f"log-probs {tuple(packed_inference.shape)} and loss mask "
             f"{tuple(packed_loss_mask.shape)} (minus its first column) do not line up"
         )
+    # Upstream pads each trajectory's inference log-probs with zeros to seq_length before
+    # packing, so the appended eod (which inference never scored) reads 0 in the packed
+    # tensor; the unpacked path reuses the train value there. Do the same here (an exact
+    # 0.0 from inference is p = 1, where the train value is ~0 too), so that packing does
+    # not change the ESS.
+    packed_inference = packed_inference.where(packed_inference != 0, old)
     if len(info.bin_seq_indices) != old.shape[0]:
         raise ValueError(
             f"ess-patch ({NAME}): {len(info.bin_seq_indices)} bins in the packing info, "
@@ -302,6 +308,13 @@ def align_wrapper(wrapped: Callable[..., Any], _instance: Any, args: tuple, kwar
     if host is None:
         return wrapped(*args, **kwargs)
     call = _bind(wrapped, "align_unpacked_inference_logprobs", args, kwargs)
+    if call["inference_logprobs"] is None:  # before upstream fails on it, on this rank only
+        _agree_on_errors(
+            ValueError(
+                f"ess-patch ({NAME}): the rollouts carry no inference log-probs "
+                "(inference_logprobs is None)"
+            )
+        )
     padded = _guarded(wrapped, args, kwargs)
     _compute_and_arm(
         host,

@@ -189,7 +189,10 @@ def rank_packed() -> dict:
     from megatron.training.utils import get_nvtx_range  # noqa: F401  (real, imported by spu)
 
     global_vars._GLOBAL_TOKENIZER = SimpleNamespace(pad=0, eod=1)
-    global_vars._GLOBAL_TIMERS = None
+    # Timers only time the nvtx ranges (and need CUDA to synchronize): a no-op stand-in.
+    noop = SimpleNamespace(start=lambda *a, **k: None, stop=lambda *a, **k: None)
+    global_vars._GLOBAL_TIMERS = lambda *_a, **_k: noop
+    torch.cuda.nvtx.range_push = torch.cuda.nvtx.range_pop = lambda *_a, **_k: None  # no NVTX
     batch = _global_batch()
     mine = _my_trajectories(batch)
     trajs = torch.zeros(len(mine), S, dtype=torch.long)
@@ -201,9 +204,7 @@ def rank_packed() -> dict:
     for i, t in enumerate(mine):
         inf[i, : len(t["inf"])] = t["inf"]
     with megatron_on_cpu():
-        ctx = spu.pack_all_trajectories(
-            trajs, gen_masks, inf, torch.zeros(B), S, 4, "fifo"
-        )
+        ctx = spu.pack_all_trajectories(trajs, gen_masks, inf, torch.zeros(B), S, 4, "fifo")
         rl_utils.get_rl_runtime_state().packing_context = ctx
         info = ctx.packing_info
         # the packed train log-probs, placed where the model would put them
@@ -337,4 +338,3 @@ def test_metrics_reach_megatron_rls_writers(installed):
     assert logged["mean_reward"] == (0.5, 4)
     assert logged["lr_scale"] == (0.5, 4) and logged["rho_ess"] == (0.25, 4)
     assert logged["ess"] == (2.0, 4)
-
