@@ -119,6 +119,52 @@ def _bind(wrapped: Callable[..., Any], name: str, args: tuple, kwargs: dict) -> 
     return dict(bound.arguments)
 
 
+#: What the hooks use besides the wrapped functions: module -> names it must define.
+_FEATURES: dict[str, tuple[str, ...]] = {
+    _RL_UTILS: (
+        "prepare_data_for_update",
+        "align_unpacked_inference_logprobs",
+        "maybe_log_training_metrics",
+        "get_rl_runtime_state",
+    ),
+    _PACKING: ("compute_packed_inference_logprobs_stats", "PackingInfo"),
+}
+
+
+def check_host_shape() -> None:
+    """At start-up (``parse_args`` with ``--use-ess-lr``): the host has every symbol and
+    parameter the hooks rely on, detected by feature, not by version.
+
+    Raises:
+        MissingTargetError: naming the missing module, symbol or parameter and the
+            supported range.
+    """
+    import importlib
+
+    for module_name, names in _FEATURES.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise MissingTargetError(
+                f"ess-patch ({NAME}): --use-ess-lr needs {module_name}, which does not import "
+                f"({exc}). Supported: {SUPPORTED}"
+            ) from exc
+        for name in names:
+            value = getattr(module, name, None)
+            if value is None:
+                raise MissingTargetError(
+                    f"ess-patch ({NAME}): {module_name}.{name} is missing. Supported: {SUPPORTED}"
+                )
+            wanted = _SIGNATURES.get(name, ())
+            params = inspect.signature(value).parameters if wanted else {}
+            missing = [p for p in wanted if p not in params]
+            if missing:
+                raise MissingTargetError(
+                    f"ess-patch ({NAME}): {module_name}.{name} has no parameter "
+                    f"{', '.join(missing)}. Supported: {SUPPORTED}"
+                )
+
+
 def _host_args() -> Any:
     from megatron.training.global_vars import get_args
 
@@ -402,6 +448,8 @@ def parse_args_wrapper(
     call["extra_args_provider"] = compose_extra_args_provider(call.get("extra_args_provider"))
     parsed = wrapped(**call)
     validate(MEGATRON_RL_FRAMEWORK, parsed)
+    if getattr(parsed, "use_ess_lr", False):
+        check_host_shape()
     return parsed
 
 

@@ -288,6 +288,14 @@ def test_no_inference_logprobs_is_a_startup_error(installed):
     assert _parse(["--use-ess-lr", "--rl-partial-rollouts"]).use_ess_lr
 
 
+def test_a_host_without_a_hooked_symbol_fails_at_startup(installed, monkeypatch):
+    from megatron.rl import rl_utils
+
+    monkeypatch.delattr(rl_utils, "get_rl_runtime_state")
+    with pytest.raises(installed.MissingTargetError, match=r"get_rl_runtime_state.*Supported"):
+        _parse(["--use-ess-lr", "--rl-inference-logprobs-is-correction"])
+
+
 def test_bad_floor_is_rejected_by_the_parser(installed, capsys):
     with pytest.raises(SystemExit):
         _parse(["--use-ess-lr", "--rl-inference-logprobs-is-correction", "--ess-lr-floor", "2"])
