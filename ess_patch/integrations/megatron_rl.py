@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -443,7 +444,14 @@ def compose_extra_args_provider(
 def parse_args_wrapper(
     wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict
 ) -> Any:
-    """Wrap ``parse_args(extra_args_provider=None, ...)``: add our flags, validate."""
+    """Wrap ``parse_args(extra_args_provider=None, ...)``: add our flags, validate.
+
+    Only in a Megatron-RL run, recognised by ``megatron.rl.rl_utils`` being imported
+    (``train_rl.py`` imports it before ``pretrain`` parses): miles and slime call the same
+    Megatron ``parse_args`` and have their own flags and rules.
+    """
+    if _RL_UTILS not in sys.modules:
+        return wrapped(*args, **kwargs)
     call = _bind(wrapped, "parse_args", args, kwargs)
     call["extra_args_provider"] = compose_extra_args_provider(call.get("extra_args_provider"))
     parsed = wrapped(**call)

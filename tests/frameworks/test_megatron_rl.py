@@ -258,6 +258,7 @@ def installed():
 
 
 def _parse(argv: list[str], provider=None):
+    import megatron.rl.rl_utils  # noqa: F401  (as train_rl.py does before pretrain parses)
     from megatron.training import arguments
 
     old = sys.argv
@@ -300,6 +301,21 @@ def test_bad_floor_is_rejected_by_the_parser(installed, capsys):
     with pytest.raises(SystemExit):
         _parse(["--use-ess-lr", "--rl-inference-logprobs-is-correction", "--ess-lr-floor", "2"])
     assert "outside (0, 1]" in capsys.readouterr().err
+
+
+def test_parse_args_outside_megatron_rl_is_untouched(installed, monkeypatch):
+    """miles and slime call the same Megatron parse_args: no megatron.rl, no RL rule."""
+    import megatron.rl.rl_utils  # noqa: F401
+    from megatron.training import arguments
+
+    monkeypatch.delitem(sys.modules, "megatron.rl.rl_utils")
+    old = sys.argv
+    sys.argv = ["train.py", "--use-ess-lr"]
+    try:
+        with pytest.raises(SystemExit):  # not even our flags: the host framework adds its own
+            arguments.parse_args()
+    finally:
+        sys.argv = old
 
 
 def test_uninstalled_parser_has_no_flags():
