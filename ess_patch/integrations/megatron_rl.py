@@ -466,14 +466,14 @@ MEGATRON_RL = Integration(
     distribution=None,
     supported=SUPPORTED,
     targets=(
-        Target("megatron.training.arguments", "", "parse_args", parse_args_wrapper),
-        Target(
-            "megatron.training.initialize", "", "parse_args", parse_args_wrapper, required=False
-        ),
         Target(_RL_UTILS, "", "prepare_data_for_update", prepare_wrapper),
         Target(_RL_UTILS, "", "align_unpacked_inference_logprobs", align_wrapper),
         Target(_PACKING, "", "compute_packed_inference_logprobs_stats", packed_stats_wrapper),
         Target(_RL_UTILS, "", "compute_packed_inference_logprobs_stats", packed_stats_wrapper),
         Target(_RL_UTILS, "", "maybe_log_training_metrics", log_metrics_wrapper),
+        Target("megatron.training.arguments", "", "parse_args", parse_args_wrapper),
+        Target(
+            "megatron.training.initialize", "", "parse_args", parse_args_wrapper, required=False
+        ),
     ),
 )
