@@ -98,7 +98,7 @@ def _versions(report: Report) -> None:
                     f"{supported}; use a supported release or the patches/ "
                     "series for your version",
                 )
-    for name in ("miles", "slime"):
+    for name in ("miles", "slime", "megatron.rl"):
         spec = importlib.util.find_spec(name) if _findable(name) else None
         location = (
             spec.submodule_search_locations[0] if spec and spec.submodule_search_locations else None
@@ -109,7 +109,8 @@ def _versions(report: Report) -> None:
 def _targets(report: Report) -> None:
     for name, integration in INTEGRATIONS.items():
         section = f"targets: {name} ({integration.supported})"
-        top = integration.modules[0].split(".")[0]
+        # Two levels: "megatron" alone is findable wherever megatron-core is, megatron.rl not.
+        top = ".".join(integration.modules[0].split(".")[:2])
         if not _findable(top):
             report.add(section, f"-- {top} is not importable here; nothing to patch")
             continue

@@ -22,6 +22,7 @@ from packaging.version import InvalidVersion, Version
 from .config import EssLrConfig
 from .integrations import Integration
 from .integrations.megatron import MEGATRON
+from .integrations.megatron_rl import MEGATRON_RL
 from .integrations.miles import MILES
 from .integrations.slime import SLIME
 from .patching import apply, revert
@@ -31,7 +32,7 @@ __all__ = ["INTEGRATIONS", "install", "installed_targets", "is_installed", "unin
 
 logger = logging.getLogger(__name__)
 
-INTEGRATIONS: dict[str, Integration] = {i.name: i for i in (MEGATRON, MILES, SLIME)}
+INTEGRATIONS: dict[str, Integration] = {i.name: i for i in (MEGATRON, MILES, SLIME, MEGATRON_RL)}
 
 #: Comma-separated integration names, read when ``install(integrations=None)``.
 ENV_INTEGRATIONS = "ESS_PATCH_INTEGRATIONS"

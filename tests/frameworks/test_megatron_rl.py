@@ -1,0 +1,364 @@
+"""ess-patch inside the REAL Megatron-RL code (``MEGATRON_RL_SRC``: Megatron-LM core_v0.16.1).
+
+- the real ``megatron.training.arguments.parse_args`` accepts the flags after install(),
+  composed with a user's ``extra_args_provider``, and rejects a run without inference
+  log-probs and a bad floor;
+- the real ``align_unpacked_inference_logprobs`` (unpacked) and the real packing path
+  (``pack_all_trajectories`` -> ``pack_inference_logprobs`` ->
+  ``compute_packed_inference_logprobs_stats``) in a gloo world (DP2 x CP2, and DP2 x PP2)
+  arm on every rank the float64 reference scale of all ranks' trajectories;
+- the real ``maybe_log_training_metrics`` hands the metrics to the writers;
+- bad input (no inference log-probs, mismatched shapes) is an error on every rank, nothing armed.
+
+Nothing is stubbed: on CPU, ``megatron.rl.rl_utils`` imports with the packages of
+``requirements-full.txt`` (tensorboard included); ``.cuda()`` goes through the demo's CPU shim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared helpers
+from harness import layout, run_ranks
+from reference import reference_ess
+
+SRC = os.environ.get("MEGATRON_RL_SRC")
+
+
+def _skip_reason() -> str | None:
+    if not SRC:
+        return "MEGATRON_RL_SRC is not set (a Megatron-LM core_v0.16.1 checkout; see tox.ini)"
+    if not (Path(SRC) / "megatron" / "rl" / "rl_utils.py").is_file():
+        return f"MEGATRON_RL_SRC={SRC} has no megatron/rl/rl_utils.py"
+    loaded = sys.modules.get("megatron.training")
+    if loaded is not None and not str(loaded.__path__[0]).startswith(str(Path(SRC).resolve())):
+        return f"megatron.training is already imported from {loaded.__path__[0]} (run separately)"
+    return None
+
+
+SKIP = _skip_reason()
+pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+if SKIP is None and SRC not in sys.path:
+    sys.path.append(SRC)  # beside the installed megatron-core (megatron is a namespace package)
+
+B, S = 8, 24  # trajectories in the whole batch, sequence length
+DP = 2
+
+
+def _global_batch(seed: int = 0) -> list[dict]:
+    """B trajectories: prompt, generated tokens, train and inference log-probs."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(B):
+        prompt = 3 + i % 4
+        gen = 4 + (5 * i) % 11
+        tokens = torch.randint(5, 50, (prompt + gen,), generator=g)
+        gen_mask = torch.zeros(S, dtype=torch.bool)
+        gen_mask[prompt : prompt + gen] = True
+        old = -torch.rand(S - 1, generator=g, dtype=torch.float32) * 2
+        # inference log-probs: the generated tokens minus the eod, which reuses old's value
+        inf = old[prompt - 1 : prompt - 1 + gen - 1] + 0.4 * torch.randn(gen - 1, generator=g)
+        out.append(dict(tokens=tokens, gen_mask=gen_mask, old=old, inf=inf, prompt=prompt))
+    return out
+
+
+def _reference(batch: list[dict], **kw) -> dict:
+    lps, rlps, masks = [], [], []
+    for t in batch:
+        mask = t["gen_mask"][1:]
+        rlp = t["old"].clone().double()
+        start = t["prompt"] - 1
+        rlp[start : start + len(t["inf"])] = t["inf"].double()
+        lps.append(t["old"].double())
+        rlps.append(rlp)
+        masks.append(mask)
+    return reference_ess(lps, rlps, masks, **kw)
+
+
+def _set_host_args(**extra) -> None:
+    from megatron.training import global_vars
+
+    args = argparse.Namespace(
+        use_ess_lr=True,
+        ess_lr_floor=0.1,
+        ess_lr_weight_mode="product",
+        ess_lr_rule="sqrt",
+        ess_lr_base_ratio=1.0,
+        ess_lr_nonfinite="raise",
+        rl_inference_logprobs_is_correction=True,
+    )
+    for k, v in extra.items():
+        setattr(args, k, v)
+    global_vars._GLOBAL_ARGS = args
+
+
+def _my_trajectories(batch: list[dict]) -> list[dict]:
+    lay = layout()
+    per = len(batch) // lay.dp_size
+    return batch[lay.dp_rank * per : (lay.dp_rank + 1) * per]
+
+
+def rank_unpacked(bad: str = "") -> dict:
+    import ess_patch
+    from ess_patch.demo.cpu import megatron_on_cpu
+
+    _set_host_args()
+    ess_patch.install("megatron_rl")
+    from megatron.rl import rl_utils
+
+    mine = _my_trajectories(_global_batch())
+    old = torch.stack([t["old"] for t in mine])
+    gen_masks = torch.stack([t["gen_mask"] for t in mine])
+    inference = [t["inf"] for t in mine]
+    lay = layout()
+    if bad == "short" and lay.dp_rank == 1 and lay.cp_rank == 0:
+        inference = inference[:-1]  # one trajectory fewer than old has rows
+    if bad == "missing" and lay.dp_rank == 1:
+        inference = None
+    stats = SimpleNamespace()
+    with megatron_on_cpu():
+        try:
+            padded = rl_utils.align_unpacked_inference_logprobs(
+                inference_logprobs=inference,
+                old_logprobs_for_data=old,
+                generation_masks=gen_masks,
+                group_stats=stats,
+            )
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}", "armed": ess_patch.armed()}
+    plain = rl_utils.align_unpacked_inference_logprobs.__wrapped__(
+        inference, old, gen_masks, SimpleNamespace()
+    )
+    r = ess_patch.armed()
+    return {
+        "result": (r.scale, r.rho, r.status, r.num_trajectories),
+        "same_output": torch.equal(padded, plain),
+        "upstream_stat": stats.mean_piold_to_inf_prob,
+    }
+
+
+def _check_reference(results: list[dict]) -> None:
+    ref = _reference(_global_batch(), mode="product")
+    assert ref["rho"] < 0.9  # a real check, not rho = 1
+    got = {r["result"] for r in results}
+    assert len(got) == 1, got  # every rank armed the same result
+    scale, rho, status, n = got.pop()
+    assert status == "ok" and n == B
+    assert rho == pytest.approx(ref["rho"], rel=1e-6)
+    assert scale == pytest.approx(ref["scale"], rel=1e-6)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("cp,pp", [(2, 1), (1, 2)], ids=["dp2xcp2", "dp2xpp2"])
+def test_unpacked_arms_the_reference_scale_on_every_rank(cp, pp, tmp_path):
+    results = run_ranks(rank_unpacked, dp=DP, cp=cp, pp=pp, tmp_path=tmp_path, timeout=120)
+    _check_reference(results)
+    assert all(r["same_output"] for r in results)  # upstream's own output untouched
+    assert all(r["upstream_stat"] is not None for r in results)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("bad", ["short", "missing"])
+def test_bad_unpacked_input_is_an_error_on_every_rank(bad, tmp_path):
+    results = run_ranks(rank_unpacked, dp=DP, cp=2, args=(bad,), tmp_path=tmp_path, timeout=120)
+    assert all("error" in r for r in results), results
+    assert all(r["armed"] is None for r in results)  # nothing armed anywhere
+    culprit = [r["error"] for r in results if "rank" not in r["error"].split(":")[1][:12]]
+    assert culprit  # the bad rank says what is wrong
+    text = " ".join(r["error"] for r in results)
+    assert ("inference log-prob tensors" in text) or ("no inference log-probs" in text)
+
+
+def rank_packed() -> dict:
+    import ess_patch
+    from ess_patch.demo.cpu import megatron_on_cpu
+
+    _set_host_args(rl_use_sequence_packing=True)
+    ess_patch.install("megatron_rl")
+    from megatron.core import parallel_state as mpu
+    from megatron.rl import rl_utils
+    from megatron.rl import sequence_packing_utils as spu
+    from megatron.training import global_vars
+    from megatron.training.utils import get_nvtx_range  # noqa: F401  (real, imported by spu)
+
+    global_vars._GLOBAL_TOKENIZER = SimpleNamespace(pad=0, eod=1)
+    # Timers only time the nvtx ranges (and need CUDA to synchronize): a no-op stand-in.
+    noop = SimpleNamespace(start=lambda *a, **k: None, stop=lambda *a, **k: None)
+    global_vars._GLOBAL_TIMERS = lambda *_a, **_k: noop
+    torch.cuda.nvtx.range_push = torch.cuda.nvtx.range_pop = lambda *_a, **_k: None  # no NVTX
+    batch = _global_batch()
+    mine = _my_trajectories(batch)
+    trajs = torch.zeros(len(mine), S, dtype=torch.long)
+    for i, t in enumerate(mine):
+        trajs[i, : len(t["tokens"])] = t["tokens"]
+    gen_masks = torch.stack([t["gen_mask"] for t in mine])
+    # upstream pads the inference log-probs to seq_length before packing
+    inf = torch.zeros(len(mine), S)
+    for i, t in enumerate(mine):
+        inf[i, : len(t["inf"])] = t["inf"]
+    with megatron_on_cpu():
+        ctx = spu.pack_all_trajectories(trajs, gen_masks, inf, torch.zeros(B), S, 4, "fifo")
+        rl_utils.get_rl_runtime_state().packing_context = ctx
+        info = ctx.packing_info
+        # the packed train log-probs, placed where the model would put them
+        old = torch.zeros(len(ctx.packed_trajs), S - 1)
+        for b, seqs in enumerate(info.bin_seq_indices):
+            for j, seq in enumerate(seqs):
+                start, n = info.seq_starts[b][j], info.seq_lengths[seq]
+                old[b, start : start + n - 1] = batch[seq]["old"][: n - 1]
+        packed_inf = spu.pack_inference_logprobs(
+            inference_logprobs=ctx.original_inference_logprobs,
+            packing_info=info,
+            generation_masks=ctx.original_generation_masks,
+            bin_size=S,
+        )
+        stats = SimpleNamespace()
+        rl_utils.compute_packed_inference_logprobs_stats(
+            old_logprobs=old,
+            packed_inference_logprobs=packed_inf,
+            packed_loss_mask=ctx.packed_loss_mask,
+            group_stats=stats,
+        )
+    r = ess_patch.armed()
+    return {
+        "result": (r.scale, r.rho, r.status, r.num_trajectories),
+        "bins": len(ctx.packed_trajs),
+        "dp": mpu.get_data_parallel_rank(),
+        "upstream_stat": stats.mean_piold_to_inf_prob,
+    }
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("cp,pp", [(2, 1), (1, 2)], ids=["dp2xcp2", "dp2xpp2"])
+def test_packed_arms_the_reference_scale_on_every_rank(cp, pp, tmp_path):
+    results = run_ranks(rank_packed, dp=DP, cp=cp, pp=pp, tmp_path=tmp_path, timeout=120)
+    _check_reference(results)
+    assert all(r["upstream_stat"] is not None for r in results)
+
+
+# --- single process: flags and metrics ---------------------------------------------------------
+
+
+@pytest.fixture
+def installed():
+    import ess_patch
+
+    ess_patch.install("megatron_rl")
+    try:
+        yield ess_patch
+    finally:
+        ess_patch.uninstall()
+
+
+def _parse(argv: list[str], provider=None):
+    import megatron.rl.rl_utils  # noqa: F401  (as train_rl.py does before pretrain parses)
+    from megatron.training import arguments
+
+    old = sys.argv
+    sys.argv = ["train_rl.py", *argv]
+    try:
+        return arguments.parse_args(extra_args_provider=provider)
+    finally:
+        sys.argv = old
+
+
+def test_flags_through_megatrons_parse_args_with_a_user_provider(installed):
+    def user(parser):
+        parser.add_argument("--my-flag", type=int, default=7)
+        return parser
+
+    args = _parse(
+        ["--use-ess-lr", "--ess-lr-floor", "0.3", "--rl-inference-logprobs-is-correction"], user
+    )
+    assert args.use_ess_lr and args.ess_lr_floor == 0.3 and args.my_flag == 7
+    assert args.ess_lr_weight_mode == "geometric"
+    plain = _parse([])
+    assert plain.use_ess_lr is False
+
+
+def test_no_inference_logprobs_is_a_startup_error(installed):
+    with pytest.raises(ValueError, match="--rl-inference-logprobs-is-correction"):
+        _parse(["--use-ess-lr"])
+    assert _parse(["--use-ess-lr", "--rl-partial-rollouts"]).use_ess_lr
+
+
+def test_a_host_without_a_hooked_symbol_fails_at_startup(installed, monkeypatch):
+    from megatron.rl import rl_utils
+
+    monkeypatch.delattr(rl_utils, "get_rl_runtime_state")
+    with pytest.raises(installed.MissingTargetError, match=r"get_rl_runtime_state.*Supported"):
+        _parse(["--use-ess-lr", "--rl-inference-logprobs-is-correction"])
+
+
+def test_bad_floor_is_rejected_by_the_parser(installed, capsys):
+    with pytest.raises(SystemExit):
+        _parse(["--use-ess-lr", "--rl-inference-logprobs-is-correction", "--ess-lr-floor", "2"])
+    assert "outside (0, 1]" in capsys.readouterr().err
+
+
+def test_parse_args_outside_megatron_rl_is_untouched(installed, monkeypatch):
+    """miles and slime call the same Megatron parse_args: no megatron.rl, no RL rule."""
+    import megatron.rl.rl_utils  # noqa: F401
+    from megatron.training import arguments
+
+    monkeypatch.delitem(sys.modules, "megatron.rl.rl_utils")
+    old = sys.argv
+    sys.argv = ["train.py", "--use-ess-lr"]
+    try:
+        with pytest.raises(SystemExit):  # not even our flags: the host framework adds its own
+            arguments.parse_args()
+    finally:
+        sys.argv = old
+
+
+def test_uninstalled_parser_has_no_flags():
+    from megatron.training import arguments
+
+    assert not hasattr(arguments.parse_args, "__wrapped__") or "ess" not in repr(
+        arguments.parse_args
+    )
+    with pytest.raises(SystemExit):
+        _parse(["--use-ess-lr"])
+
+
+class _Writer:
+    def __init__(self):
+        self.scalars, self.logged = [], []
+
+    def add_scalar(self, key, value, step):
+        self.scalars.append((key, value, step))
+
+    def log(self, metrics, step=None):
+        self.logged.append((metrics, step))
+
+
+def test_metrics_reach_megatron_rls_writers(installed):
+    from megatron.rl import rl_utils
+
+    from ess_patch import arm
+    from ess_patch.result import EssLrResult
+
+    tb = _Writer()
+    stats = SimpleNamespace(mean_reward=0.5)
+    rl_utils.maybe_log_training_metrics(stats, 3, None, [], wandb_writer=None, tb_writer=tb)
+    assert tb.scalars == [("mean_reward", 0.5, 3)]  # nothing armed: upstream's own only
+    result = EssLrResult(
+        scale=0.5, rho=0.25, ess=2.0, num_trajectories=8, num_empty=0, num_nonfinite=0, status="ok"
+    )
+    arm(result)
+    try:
+        tb = _Writer()
+        rl_utils.maybe_log_training_metrics(stats, 4, None, [], wandb_writer=None, tb_writer=tb)
+    finally:
+        installed.disarm()
+    logged = {k: (v, s) for k, v, s in tb.scalars}
+    assert logged["mean_reward"] == (0.5, 4)
+    assert logged["lr_scale"] == (0.5, 4) and logged["rho_ess"] == (0.25, 4)
+    assert logged["ess"] == (2.0, 4)
