@@ -40,8 +40,8 @@ import pytest
 import ess_patch
 import ess_patch.vendored
 from ess_patch import patchset
-from ess_patch.patches_cli import main as patches_main
 from ess_patch.patchset import ConflictError, DirtyTreeError, State, UnknownTreeError
+from ess_patch.patchset.cli import main as patches_main
 
 pytestmark = pytest.mark.patches
 
