@@ -19,7 +19,7 @@ from packaging.version import InvalidVersion, Version
 
 from ..integrations.megatron import MEGATRON
 from ..vendored import CALL_SITES
-from .apply import PatchStatus, State, check_series
+from .apply import PatchStatus, State, check_series, conflicting_files
 from .git import git_apply
 from .series import Series, UnknownTreeError, discover, matches, patches_dir, version_key
 from .trees import Tree, scratch_copy
@@ -302,7 +302,9 @@ def select_series(
     fallback). Else the others by closeness of version (older first on a tie): the first
     that applies (or is applied, per ``git apply --check``) and leaves no gap with
     ``install()`` (:func:`series_gaps`) wins; else the first that applies (callers should
-    check its gaps); else the closest one, with its conflicts.
+    check its gaps); else the one conflicting in the fewest files (the closest on a tie), with
+    its conflicts (with one series per version of a framework, a hand edit is reported
+    against its own version's series, not another version's).
 
     Raises:
         UnknownTreeError: no series for the component, or no folder named ``version``.
@@ -322,16 +324,17 @@ def select_series(
     own = [s for s in available if tree.version and matches(s.version, tree.version)]
     if own:  # made for this very version: its conflicts are real (hand edits), no fallback
         return own[0], check_series(own[0], tree.root)
-    first: tuple[Series, list[PatchStatus]] | None = None
+    least: tuple[Series, list[PatchStatus]] | None = None
     clean: tuple[Series, list[PatchStatus]] | None = None
     for candidate in _candidates(tree, available):
         statuses = check_series(candidate, tree.root)
-        first = first or (candidate, statuses)
+        if least is None or len(conflicting_files(statuses)) < len(conflicting_files(least[1])):
+            least = (candidate, statuses)
         if any(s.state is State.CONFLICTING for s in statuses):
             continue
         if not series_gaps(candidate, tree.root):
             return candidate, statuses
         clean = clean or (candidate, statuses)
-    result = clean or first
+    result = clean or least
     assert result is not None
     return result
