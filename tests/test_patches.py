@@ -502,7 +502,6 @@ FRAMEWORKS = {
         moved=(_SLIME_LOG,),
         # install() still targets slime.observability (issue 12): the series is ahead of it
         pending_gaps=(
-            "log: not defined in slime/observability/logging_utils.py",
             "slime.observability.logging_utils.log: install() wraps it, but it is not in the tree",
         ),
     ),

@@ -36,7 +36,7 @@ from ess_patch.patchset import (  # noqa: E402
     module_path,
 )
 
-DECORATOR = VENDORED_DECORATOR  # what ess_patch.patchset.twin.megatron_core_gaps looks for
+DECORATOR = VENDORED_DECORATOR  # what ess_patch.patchset.twin.gaps looks for
 IMPORT_BLOCK = f"""
 try:  # ess-patch call sites (ess-patch's patches/megatron-core); identity without ess_patch
     from ess_patch.vendored import optimizer_step as {DECORATOR}

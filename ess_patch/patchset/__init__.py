@@ -28,7 +28,7 @@ Modules (each imports only those above it):
   scratch copies.
 - ``apply``: :class:`State`, :class:`~.apply.PatchStatus`; check, apply, revert a series.
 - ``twin``: whether a patched tree is the exact twin of ``install()`` (symbols parsed with
-  ``ast``, :data:`~.twin.TWINS`, :func:`series_gaps`) and :func:`select_series`.
+  ``ast``, :func:`~.twin.gaps`, :func:`series_gaps`) and :func:`select_series`.
 
 Front ends: ``cli`` (``ess-patch patches``) and ``compat`` (the megatron-core release table
 behind ``ess-patch patches compat``; downloads wheels, imported only when that command runs).

@@ -1,23 +1,22 @@
 """Whether a patched tree is the exact twin of ``install()``, and which series fits a tree.
 
-The "gaps" are where the methods a series decorates and the ones the runtime integration wraps
-differ (per component: :data:`TWINS`); they are found in the source with ``ast`` (never
-imported). :func:`select_series` picks a tree's series: its own version's, else the closest
-one that applies and leaves no gap.
+The "gaps" (:func:`gaps`) are where the functions a series decorates and the targets of the
+runtime integration differ; they are found in the source with ``ast`` (never imported).
+:func:`select_series` picks a tree's series: its own version's, else the closest one that
+applies and leaves no gap.
 """
 
 from __future__ import annotations
 
 import ast
 import tempfile
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
 from packaging.version import InvalidVersion, Version
 
-from ..integrations.megatron import MEGATRON
+from ..patching import Target
 from ..vendored import CALL_SITES
 from .apply import PatchStatus, State, check_series, conflicting_files
 from .git import git_apply
@@ -25,17 +24,15 @@ from .series import Series, UnknownTreeError, discover, matches, patches_dir, ve
 from .trees import Tree, scratch_copy
 
 __all__ = [
-    "TWINS",
+    "INTEGRATION_OF",
     "VENDORED_DECORATOR",
-    "Twin",
-    "call_site_gaps",
     "class_defines",
-    "decorated_methods",
     "defined_methods",
-    "megatron_core_gaps",
+    "gaps",
     "module_path",
     "select_series",
     "series_gaps",
+    "twin_files",
 ]
 
 # Static symbol look-ups: classes, methods, functions, their decorators and imports.
@@ -92,14 +89,6 @@ def class_defines(root: Path, target: _Attribute) -> bool:
 def decorator_names(node: Function) -> set[str]:
     """The plain names among ``node``'s decorators (``@name``, not ``@a.b`` or ``@f()``)."""
     return {d.id for d in node.decorator_list if isinstance(d, ast.Name)}
-
-
-def decorated_methods(root: Path, module: str, owner: str, decorator: str) -> set[str]:
-    """Methods of ``owner`` whose decorators include the plain name ``decorator``."""
-    node = _class_node(root, module, owner)
-    if node is None:
-        return set()
-    return {n.name for n in _methods(node) if decorator in decorator_names(n)}
 
 
 def definition(
@@ -160,109 +149,92 @@ def vendored_imports(root: Path, rel: str) -> dict[str, str]:
 
 # The gaps between a patched tree and install().
 
-#: The name the series give their call-site decorator (tools/megatron_core_series.py uses it).
-VENDORED_DECORATOR = "_ess_optimizer_step"
+#: The ``ess_patch.vendored`` decorator the megatron-core series put on every optimizer step.
+_MEGATRON_DECORATOR = "optimizer_step"
+#: The name the megatron-core series import it as (tools/megatron_core_series.py uses it).
+VENDORED_DECORATOR = f"_ess_{_MEGATRON_DECORATOR}"
+#: A ``patches/`` component -> the ``install()`` integration whose targets its series decorate.
+INTEGRATION_OF = {"megatron-core": "megatron", "miles": "miles", "slime": "slime"}
+
+_Site = tuple[str, str, str]  # (file, owner or "", function): where a definition is
 
 
-def megatron_core_gaps(root: Path) -> list[str]:
-    """Where a (patched) megatron-core tree and ``install()`` disagree: a method that
-    ``install()`` would wrap (the class body defines it) without the series' decorator, or a
-    decorated one that it would not wrap. Empty: the diff is the exact twin of the monkeypatch.
-    """
-    gaps = []
-    for t in MEGATRON.targets:
-        wraps = class_defines(root, t)
-        decorated = t.attribute in decorated_methods(root, t.module, t.owner, VENDORED_DECORATOR)
-        if wraps and not decorated:
-            gaps.append(f"{t.owner}.{t.attribute}: install() wraps it, the series does not")
-        elif decorated and not wraps:
-            gaps.append(f"{t.owner}.{t.attribute}: decorated, but install() does not wrap it")
-    return gaps
+def _targets(component: str) -> tuple[Target, ...]:
+    from ..install import INTEGRATIONS  # install imports the integrations' hosts lazily too
+
+    return INTEGRATIONS[INTEGRATION_OF[component]].targets
 
 
-def call_site_gaps(component: str) -> Callable[[Path], list[str]]:
-    """Gaps function for a framework series (miles, slime): where a patched tree and
-    ``install(component)`` disagree. A call site of ``ess_patch.vendored.CALL_SITES`` without
-    its decorator or its import; an ``install()`` target whose definition (re-imports
-    followed) is not a call site; or a function decorated with ``_ess_*`` that is not one.
-    """
-    from ..install import INTEGRATIONS
-
-    def gaps(root: Path) -> list[str]:
-        sites = {(c.path, c.owner, c.function): c for c in CALL_SITES[component]}
-        out = []
-        for (rel, owner, name), site in sites.items():
-            found = definition(root, rel[: -len(".py")].replace("/", "."), owner, name)
-            if found is None:
-                out.append(f"{site.label}: not defined in {rel}")
-            elif site.alias not in decorator_names(found[2]):
-                out.append(f"{rel} {site.label}: install() wraps it, the series does not")
-            elif vendored_imports(root, rel).get(site.alias) != site.decorator:
-                out.append(
-                    f"{rel} {site.label}: decorated with {site.alias}, which is not "
-                    f"ess_patch.vendored.{site.decorator}"
-                )
-        for t in INTEGRATIONS[component].targets:
-            found = definition(root, t.module, t.owner, t.attribute)
-            if found is None:
-                out.append(f"{t.path}: install() wraps it, but it is not in the tree")
-            elif found[:2] + (found[2].name,) not in sites:
-                out.append(
-                    f"{t.path}: install() wraps it (defined in {found[0]}), the series does not"
-                )
-        files = {*(c.path for c in sites.values())}
-        files |= {module_path(t.module) for t in INTEGRATIONS[component].targets}
-        for rel in sorted(files):
-            for owner, fn in functions(root, rel):
-                ours = {d for d in decorator_names(fn) if d.startswith("_ess_")}
-                if ours and (rel, owner, fn.name) not in sites:
-                    label = ".".join(p for p in (owner, fn.name) if p)
-                    out.append(f"{rel} {label}: decorated, but install() does not wrap it")
-        return out
-
-    return gaps
+def _decorator(component: str, site: _Site) -> str | None:
+    """The ``ess_patch.vendored`` decorator that ``component``'s series put on the definition
+    at ``site`` (None: none of its call sites)."""
+    if component == "megatron-core":
+        return _MEGATRON_DECORATOR
+    return {(c.path, c.owner, c.function): c.decorator for c in CALL_SITES[component]}.get(site)
 
 
-def _twin_files(component: str) -> tuple[str, ...]:
-    from ..install import INTEGRATIONS
-
-    files = [c.path for c in CALL_SITES[component]]
-    files += [module_path(m) for m in INTEGRATIONS[component].modules]
+def twin_files(component: str) -> tuple[str, ...]:
+    """The files :func:`gaps` reads: those of the integration's targets and call sites."""
+    files = [module_path(t.module) for t in _targets(component)]
+    files += [c.path for c in CALL_SITES.get(component, ())]
     return tuple(dict.fromkeys(files))
 
 
-@dataclass(frozen=True)
-class Twin:
-    """How to compare a component's series with its runtime integration: the files holding
-    the integration's targets, and a function listing the gaps on a patched tree."""
+def gaps(component: str, root: Path) -> list[str]:
+    """Where a (patched) ``component`` tree and ``install()`` disagree; empty: the diff is the
+    exact twin of the monkeypatch.
 
-    files: tuple[str, ...]
-    gaps: Callable[[Path], list[str]]
-
-
-TWINS: dict[str, Twin] = {
-    "megatron-core": Twin(
-        files=tuple(module_path(m) for m in MEGATRON.modules),
-        gaps=megatron_core_gaps,
-    ),
-    **{c: Twin(files=_twin_files(c), gaps=call_site_gaps(c)) for c in CALL_SITES},
-}
+    Per target of the integration, its definition (module-level re-imports followed; a class
+    attribute in the class's own body): a required target that is not in the tree; a
+    definition without the series' decorator ``_ess_<name>`` imported from
+    ``ess_patch.vendored``. And a function of those files decorated with ``_ess_*`` that is no
+    target's definition. (An optional target that is not in the tree is fine: install() skips
+    it too.)
+    """
+    out = []
+    wrapped: set[_Site] = set()
+    for t in _targets(component):
+        found = definition(root, t.module, t.owner, t.attribute)
+        if found is None:
+            if t.required:
+                out.append(f"{t.path}: install() wraps it, but it is not in the tree")
+            continue
+        rel, owner, node = found
+        site = (rel, owner, node.name)
+        if site in wrapped:  # another name for a definition already checked
+            continue
+        wrapped.add(site)
+        label = f"{rel} {'.'.join(p for p in (owner, node.name) if p)}"
+        decorator = _decorator(component, site)
+        alias = f"_ess_{decorator}"
+        if decorator is None or alias not in decorator_names(node):
+            out.append(f"{label}: install() wraps it, the series does not")
+        elif vendored_imports(root, rel).get(alias) != decorator:
+            out.append(
+                f"{label}: decorated with {alias}, which is not ess_patch.vendored.{decorator}"
+            )
+    for rel in twin_files(component):
+        for owner, fn in functions(root, rel):
+            ours = any(d.startswith("_ess_") for d in decorator_names(fn))
+            if ours and (rel, owner, fn.name) not in wrapped:
+                label = ".".join(p for p in (owner, fn.name) if p)
+                out.append(f"{rel} {label}: decorated, but install() does not wrap it")
+    return out
 
 
 def series_gaps(series: Series, root: Path) -> list[str]:
-    """The gaps (see :func:`megatron_core_gaps`, :func:`call_site_gaps`) that ``root`` would
-    have once ``series`` is applied (computed on a scratch copy; patches that do not apply are
-    left out). Empty for a component without a registered twin."""
-    twin = TWINS.get(series.component)
-    if twin is None:
+    """The :func:`gaps` that ``root`` would have once ``series`` is applied (computed on a
+    scratch copy; patches that do not apply are left out). Empty for a component without an
+    integration."""
+    if series.component not in INTEGRATION_OF:
         return []
     with tempfile.TemporaryDirectory(prefix="ess-patch-gaps-") as tmp:
         scratch = Path(tmp)
-        scratch_copy(Path(root), [*series.files(), *twin.files], scratch)
+        scratch_copy(Path(root), [*series.files(), *twin_files(series.component)], scratch)
         for patch in series.patches:
             if git_apply(scratch, patch, check=True).returncode == 0:
                 git_apply(scratch, patch)
-        return twin.gaps(scratch)
+        return gaps(series.component, scratch)
 
 
 # Choosing the series for a tree.
