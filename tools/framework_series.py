@@ -38,7 +38,8 @@ from megatron_core_series import (  # noqa: E402
     write_series,
 )
 
-from ess_patch.patchset import Series, detect, series_gaps  # noqa: E402
+from ess_patch.install import INTEGRATIONS  # noqa: E402
+from ess_patch.patchset import Series, definition, detect, module_path, series_gaps  # noqa: E402
 from ess_patch.vendored import CALL_SITES, CallSite  # noqa: E402
 
 IMPORT_BLOCK = """
@@ -102,12 +103,19 @@ WHY = {
   the rollout's optimizer steps (the advantages are untouched);
 - log: train/lr_scale, train/rho_ess, ... in the train/step record.""",
 }
-REIMPORTS = {
-    "miles": "  megatron_utils/actor.py    compute_advantages_and_returns\n"
-    "  megatron_utils/model.py    log_train_step\n"
-    "  fsdp_utils/actor.py        both",
-    "slime": "  megatron_utils/actor.py    compute_advantages_and_returns",
-}
+
+
+def reimports(component: str, root: Path) -> str:
+    """The listing of the modules where ``install(component)`` wraps a name imported from a
+    call site's file (its targets whose definition, re-imports followed, is elsewhere)."""
+    found: dict[str, list[str]] = {}
+    for target in INTEGRATIONS[component].targets:
+        where = definition(root, target.module, target.owner, target.attribute)
+        rel = module_path(target.module)
+        if where is not None and where[0] != rel:
+            found.setdefault(rel, []).append(target.attribute)
+    width = max((len(rel) for rel in found), default=0)
+    return "\n".join(f"  {rel:<{width}}  {', '.join(names)}" for rel, names in found.items())
 
 
 def import_block(component: str, sites: list[CallSite]) -> str:
@@ -188,7 +196,7 @@ def generate(
             full_commit=commit,
             listing=listing,
             why=WHY[component],
-            reimports=REIMPORTS[component],
+            reimports=reimports(component, tree.root),
         )
     )
     write_series(

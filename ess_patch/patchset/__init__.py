@@ -48,7 +48,14 @@ from .series import (
     patches_dir,
 )
 from .trees import Tree, detect
-from .twin import VENDORED_DECORATOR, class_defines, module_path, select_series, series_gaps
+from .twin import (
+    VENDORED_DECORATOR,
+    class_defines,
+    definition,
+    module_path,
+    select_series,
+    series_gaps,
+)
 
 __all__ = [
     "ENV_PATCHES_DIR",
@@ -62,6 +69,7 @@ __all__ = [
     "apply_series",
     "check_series",
     "class_defines",
+    "definition",
     "detect",
     "discover",
     "module_path",

@@ -28,6 +28,7 @@ __all__ = [
     "VENDORED_DECORATOR",
     "class_defines",
     "defined_methods",
+    "definition",
     "gaps",
     "module_path",
     "select_series",
