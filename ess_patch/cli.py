@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ess-patch {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_demo(subparsers)
-    from .patches_cli import add_parser as add_patches_parser
+    from .patchset.cli import add_parser as add_patches_parser
 
     add_patches_parser(subparsers)
     from .analyze.cli import add_parser as add_analyze_parser

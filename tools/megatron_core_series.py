@@ -29,10 +29,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from ess_patch.integrations.megatron import MEGATRON  # noqa: E402
-from ess_patch.patchset import VENDORED_DECORATOR, class_defines, detect  # noqa: E402
-from ess_patch.patchset.symbols import module_path  # noqa: E402
+from ess_patch.patchset import (  # noqa: E402
+    VENDORED_DECORATOR,
+    class_defines,
+    detect,
+    module_path,
+)
 
-DECORATOR = VENDORED_DECORATOR  # what ess_patch.patchset.megatron_core_gaps looks for
+DECORATOR = VENDORED_DECORATOR  # what ess_patch.patchset.twin.gaps looks for
 IMPORT_BLOCK = f"""
 try:  # ess-patch call sites (ess-patch's patches/megatron-core); identity without ess_patch
     from ess_patch.vendored import optimizer_step as {DECORATOR}

@@ -21,72 +21,58 @@ the series is then chosen by ``git apply --check`` alone.
 
 Modules (each imports only those above it):
 
-- ``errors``: the exceptions.
+- ``series``: the errors; series folder names (release or commit); :class:`Series`,
+  :func:`discover`, :func:`patches_dir`.
 - ``git``: running git (``git apply`` on a folder; HEAD, committed bytes, dirty files).
-- ``versions``: series folder names (release or commit): sorting and matching.
-- ``series``: where the series are, :class:`Series`, :func:`discover`.
-- ``blobs``: git blob ids of a tree's files against a series' ``index`` lines.
-- ``trees``: :class:`Tree`, :data:`DETECTORS`, :func:`detect`.
-- ``apply``: :class:`State`, :class:`PatchStatus`; check, apply, revert a series.
-- ``symbols``: classes, methods and decorators of a source tree, parsed with ``ast``.
-- ``gaps``: whether a patched tree is the exact twin of ``install()`` (:data:`TWINS`).
-- ``selection``: :func:`select_series`.
+- ``trees``: :class:`Tree`, :data:`~.trees.DETECTORS`, :func:`detect`; blob-id fingerprints;
+  scratch copies.
+- ``apply``: :class:`State`, :class:`~.apply.PatchStatus`; check, apply, revert a series.
+- ``twin``: whether a patched tree is the exact twin of ``install()`` (symbols parsed with
+  ``ast``, :func:`~.twin.gaps`, :func:`series_gaps`) and :func:`select_series`.
+
+Front ends: ``cli`` (``ess-patch patches``) and ``compat`` (the megatron-core release table
+behind ``ess-patch patches compat``; downloads wheels, imported only when that command runs).
+This package exports what the tests, ``tools/`` and the README use.
 """
 
 from __future__ import annotations
 
-from .apply import (
-    PatchStatus,
-    State,
-    apply_series,
-    check_series,
-    conflicting_files,
-    revert_series,
+from .apply import State, apply_series, check_series, revert_series
+from .series import (
+    ENV_PATCHES_DIR,
+    ConflictError,
+    DirtyTreeError,
+    Series,
+    UnknownTreeError,
+    discover,
+    patches_dir,
 )
-from .blobs import blob_id, fingerprint
-from .errors import ConflictError, DirtyTreeError, PatchsetError, UnknownTreeError
-from .gaps import (
-    TWINS,
+from .trees import Tree, detect
+from .twin import (
     VENDORED_DECORATOR,
-    Twin,
-    call_site_gaps,
-    megatron_core_gaps,
+    class_defines,
+    definition,
+    module_path,
+    select_series,
     series_gaps,
 )
-from .git import dirty_files
-from .selection import select_series
-from .series import ENV_PATCHES_DIR, Series, discover, patch_files, patches_dir
-from .symbols import class_defines, decorated_methods, defined_methods
-from .trees import DETECTORS, Tree, detect
 
 __all__ = [
-    "DETECTORS",
     "ENV_PATCHES_DIR",
-    "TWINS",
     "VENDORED_DECORATOR",
     "ConflictError",
     "DirtyTreeError",
-    "PatchStatus",
-    "PatchsetError",
     "Series",
     "State",
     "Tree",
-    "Twin",
     "UnknownTreeError",
     "apply_series",
-    "blob_id",
-    "call_site_gaps",
     "check_series",
     "class_defines",
-    "conflicting_files",
-    "decorated_methods",
-    "defined_methods",
+    "definition",
     "detect",
-    "dirty_files",
     "discover",
-    "fingerprint",
-    "megatron_core_gaps",
-    "patch_files",
+    "module_path",
     "patches_dir",
     "revert_series",
     "select_series",

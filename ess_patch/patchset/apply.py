@@ -3,22 +3,21 @@
 A series is first checked patch by patch on a scratch copy of the files it touches
 (:func:`check_series`: applicable, already applied, or conflicting), and a failure while
 writing the real tree undoes what was written. Uncommitted changes in a touched file of a git
-work tree are refused (:class:`~.errors.DirtyTreeError`).
+work tree are refused (:class:`~.series.DirtyTreeError`).
 """
 
 from __future__ import annotations
 
 import enum
 import re
-import shutil
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ConflictError, DirtyTreeError, PatchsetError
 from .git import committed, dirty_files, git_apply
-from .series import Series, patch_files
+from .series import ConflictError, DirtyTreeError, PatchsetError, Series, patch_files
+from .trees import scratch_copy
 
 __all__ = [
     "PatchStatus",
@@ -27,7 +26,6 @@ __all__ = [
     "check_series",
     "conflicting_files",
     "revert_series",
-    "scratch_copy",
 ]
 
 
@@ -71,16 +69,6 @@ def _failed_files(stderr: str) -> list[str]:
     for m in _ERROR_FILE.finditer(stderr):
         found.setdefault(m.group("a") or m.group("b"), None)
     return list(found)
-
-
-def scratch_copy(root: Path, files: Iterable[str], dest: Path) -> None:
-    """Copy ``files`` (relative to ``root``; the missing ones skipped) to the same paths
-    under ``dest``."""
-    for rel in files:
-        src = root / rel
-        if src.is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / rel)
 
 
 def _simulate(series: Series, root: Path, *, reverse: bool) -> list[PatchStatus]:

@@ -11,7 +11,7 @@ import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
-from .errors import PatchsetError
+from .series import PatchsetError
 
 __all__ = ["committed", "dirty_files", "git", "git_apply", "head_commit"]
 

@@ -1,17 +1,80 @@
-"""The shipped series: where they are (:func:`patches_dir`), what one is (:class:`Series`),
-and finding them all (:func:`discover`)."""
+"""The shipped series: the errors every room raises, series folder names (a release version or
+a commit hash), where the series are (:func:`patches_dir`), what one is (:class:`Series`), and
+finding them all (:func:`discover`)."""
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import PatchsetError
-from .versions import version_key
+from packaging.version import InvalidVersion, Version
 
-__all__ = ["DIFF_HEADER", "ENV_PATCHES_DIR", "Series", "discover", "patch_files", "patches_dir"]
+__all__ = [
+    "COMMIT",
+    "DIFF_HEADER",
+    "ENV_PATCHES_DIR",
+    "ConflictError",
+    "DirtyTreeError",
+    "PatchsetError",
+    "Series",
+    "UnknownTreeError",
+    "discover",
+    "matches",
+    "patch_files",
+    "patches_dir",
+    "version_key",
+]
+
+
+class PatchsetError(Exception):
+    """A series cannot be used on this tree; the message says why and names the file."""
+
+
+class UnknownTreeError(PatchsetError):
+    """The target is not a tree that any series is for (or its series is not shipped)."""
+
+
+class DirtyTreeError(PatchsetError):
+    """The target is a git work tree with uncommitted changes in files the series touches."""
+
+
+class ConflictError(PatchsetError):
+    """A patch of the series neither applies nor is already applied (hand edits, other version)."""
+
+    def __init__(self, message: str, files: Sequence[str]):
+        super().__init__(message)
+        self.files = tuple(files)
+
+
+# Series folder names: a release version (megatron-core) or a commit hash (miles, slime).
+
+#: A commit hash, or a prefix of one long enough to name it.
+COMMIT = re.compile(r"[0-9a-f]{7,40}")
+
+
+def version_key(text: str) -> tuple[int, Version | str]:
+    """Sort key: release versions (in version order) before commits and other names."""
+    if COMMIT.fullmatch(text):  # a commit (miles, slime), even one that reads as a number
+        return (1, text)
+    try:
+        return (0, Version(text))
+    except InvalidVersion:
+        return (1, text)
+
+
+def matches(series_version: str, tree_version: str) -> bool:
+    """Whether a series folder name names ``tree_version`` (equal, or the same commit)."""
+    if series_version == tree_version:
+        return True
+    # commit-keyed series (miles, slime): a hash prefix of 7+ digits names the commit
+    if not (COMMIT.fullmatch(series_version) and COMMIT.fullmatch(tree_version.lower())):
+        return False
+    short, full = sorted((series_version, tree_version.lower()), key=len)
+    return full.startswith(short)
+
 
 #: Overrides where the series are read from (default: the copy shipped in the package).
 ENV_PATCHES_DIR = "ESS_PATCH_PATCHES_DIR"

@@ -1,27 +1,90 @@
-"""Recognising a target tree: which component, where its root is, which version.
+"""Recognising a target tree: which component, where its root is, which version; and copying
+a tree's files to a scratch folder.
 
 One detector per component (:data:`DETECTORS`). megatron-core reads its version from
 ``megatron/core/package_info.py`` (parsed, not imported) or from package metadata. miles and
 slime (series keyed by upstream commit) are told by the checkout's git HEAD, or, for a
-snapshot without git, by :func:`~.blobs.fingerprint`.
+snapshot without git, by :func:`fingerprint`: the git blob ids of the files a series touches
+against the ones it records (the ``index <before>..<after>`` lines of
+``git format-patch --full-index``).
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import hashlib
+import re
+import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from email.parser import HeaderParser
 from pathlib import Path
 
-from .blobs import fingerprint
-from .errors import PatchsetError, UnknownTreeError
 from .git import head_commit
-from .series import discover
-from .versions import matches
+from .series import DIFF_HEADER, PatchsetError, Series, UnknownTreeError, discover, matches
 
-__all__ = ["DETECTORS", "Tree", "detect"]
+__all__ = ["DETECTORS", "Tree", "blob_id", "detect", "fingerprint", "scratch_copy"]
+
+_INDEX = re.compile(r"^index ([0-9a-f]+)\.\.([0-9a-f]+)", re.MULTILINE)
+
+
+def _blob_chains(series: Series) -> dict[str, list[str]]:
+    """Per touched file, its git blob ids through the series: upstream first, then after each
+    patch that touches it (from the ``index`` lines; full ids with ``--full-index``)."""
+    chains: dict[str, list[str]] = {}
+    for patch in series.patches:
+        text = patch.read_text(encoding="utf-8")
+        heads = list(DIFF_HEADER.finditer(text))
+        for i, head in enumerate(heads):
+            end = heads[i + 1].start() if i + 1 < len(heads) else len(text)
+            index = _INDEX.search(text, head.end(), end)
+            if index is None:
+                continue
+            chain = chains.setdefault(head.group(2), [index.group(1)])
+            chain.append(index.group(2))
+    return chains
+
+
+def blob_id(data: bytes) -> str:
+    """The id git gives a file's bytes (``git hash-object``)."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
+
+
+def fingerprint(series: Series, root: Path) -> str | None:
+    """Whether the files ``series`` touches under ``root`` are exactly its upstream's.
+
+    Returns ``"pristine"`` (every file as upstream), ``"patched"`` (as after the series),
+    ``"partly patched"`` (each file at some point of the series), or None (a file missing, or
+    any other bytes: another version, or a hand edit).
+    """
+    chains = _blob_chains(series)
+    if not chains:
+        return None
+    ends: list[tuple[bool, bool]] = []  # per file: (as upstream, as after the series)
+    for rel, chain in chains.items():
+        path = Path(root) / rel
+        if not path.is_file():
+            return None
+        mine = blob_id(path.read_bytes())
+        if not any(mine.startswith(blob) for blob in chain):
+            return None
+        ends.append((mine.startswith(chain[0]), mine.startswith(chain[-1])))
+    if all(first for first, _ in ends):
+        return "pristine"
+    if all(last for _, last in ends):
+        return "patched"
+    return "partly patched"
+
+
+def scratch_copy(root: Path, files: Iterable[str], dest: Path) -> None:
+    """Copy ``files`` (relative to ``root``; the missing ones skipped) to the same paths
+    under ``dest``."""
+    for rel in files:
+        src = root / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
 
 
 @dataclass(frozen=True)

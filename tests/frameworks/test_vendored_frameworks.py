@@ -26,7 +26,7 @@ import pytest
 from upstream import ENV_VARS, skip_reason
 
 from ess_patch import patchset
-from ess_patch.patches_cli import main as patches_main
+from ess_patch.patchset.cli import main as patches_main
 
 FRAMEWORKS = Path(__file__).resolve().parent
 TESTS = FRAMEWORKS.parent

@@ -1,7 +1,7 @@
 """``ess-patch patches``: list, check, apply, revert the ``patches/`` series; compat table.
 
 Wire into the main parser with ``add_parser(subparsers)``; the sub-parser sets
-``func=run``. Also runs alone: ``python -m ess_patch.patches_cli check --target DIR``.
+``func=run``. Also runs alone: ``python -m ess_patch.patchset.cli check --target DIR``.
 
 Exit status: 0 done (or nothing to do); 1 refused (unknown or dirty tree, conflict);
 2 usage error.
@@ -14,9 +14,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import patchset
-from .patches_compat import PYTHON
-from .patchset import PatchsetError, State
+from .apply import PatchStatus, State, apply_series, check_series, conflicting_files, revert_series
+from .compat import PYTHON
+from .series import PatchsetError, discover, patches_dir
+from .trees import DETECTORS, Tree, detect
+from .twin import select_series, series_gaps
 
 __all__ = ["add_parser", "main", "run"]
 
@@ -58,7 +60,7 @@ def _fill(parser: argparse.ArgumentParser) -> None:
             "folder (the folder holding megatron/core), or a miles / slime checkout or snapshot "
             "(the folder holding miles/ or slime/)",
         )
-        p.add_argument("--component", choices=sorted(patchset.DETECTORS), help="skip detection")
+        p.add_argument("--component", choices=sorted(DETECTORS), help="skip detection")
         p.add_argument(
             "--version",
             dest="series_version",
@@ -115,42 +117,42 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
-def _print_statuses(statuses: list[patchset.PatchStatus]) -> None:
+def _print_statuses(statuses: list[PatchStatus]) -> None:
     width = max(len(s.patch.name) for s in statuses)
     for s in statuses:
         print(f"  {s.patch.name:<{width}}  {s.describe()}")
 
 
-def _describe_tree(tree: patchset.Tree) -> str:
+def _describe_tree(tree: Tree) -> str:
     version = tree.version or "version unknown"
     return f"{tree.root} ({tree.component} {version}, from {tree.evidence})"
 
 
 def _list(args: argparse.Namespace) -> int:
     if args.target is None:
-        print(f"series in {patchset.patches_dir()}:")
-        for series in patchset.discover(args.component):
+        print(f"series in {patches_dir()}:")
+        for series in discover(args.component):
             print(f"  {series.name}: {len(series.patches)} patch(es), touches")
             for path in series.files():
                 print(f"      {path}")
         return 0
-    tree = patchset.detect(args.target, args.component)
+    tree = detect(args.target, args.component)
     print(f"target: {_describe_tree(tree)}")
-    for series in patchset.discover(tree.component):
+    for series in discover(tree.component):
         print(f"series {series.name}:")
-        _print_statuses(patchset.check_series(series, tree.root))
+        _print_statuses(check_series(series, tree.root))
     return 0
 
 
 def _act(args: argparse.Namespace) -> int:
-    tree = patchset.detect(args.target, args.component)
-    series, statuses = patchset.select_series(tree, args.series_version)
+    tree = detect(args.target, args.component)
+    series, statuses = select_series(tree, args.series_version)
     print(f"target: {_describe_tree(tree)}")
     print(f"series: {series.name} ({series.directory})")
     _print_statuses(statuses)
     states = {s.state for s in statuses}
     conflicting = State.CONFLICTING in states
-    gaps = [] if conflicting else patchset.series_gaps(series, tree.root)
+    gaps = [] if conflicting else series_gaps(series, tree.root)
     for gap in gaps:
         print(f"  gap with install(): {gap}")
     if gaps and args.patches_command == "apply" and args.series_version is None:
@@ -162,7 +164,7 @@ def _act(args: argparse.Namespace) -> int:
         return 1
     if args.patches_command == "check":
         if conflicting:
-            files = ", ".join(patchset.conflicting_files(statuses))
+            files = ", ".join(conflicting_files(statuses))
             print(f"result: conflicting ({files}); apply would change nothing")
             return 1
         if states == {State.APPLIED}:
@@ -174,26 +176,24 @@ def _act(args: argparse.Namespace) -> int:
         return 0
     allow_dirty = args.allow_dirty
     if args.patches_command == "apply":
-        before = patchset.apply_series(series, tree.root, allow_dirty=allow_dirty)
+        before = apply_series(series, tree.root, allow_dirty=allow_dirty)
         done = [s for s in before if s.state is State.APPLICABLE]
         print(f"result: applied {len(done)} patch(es)" if done else "result: already applied")
     else:
-        before = patchset.revert_series(series, tree.root, allow_dirty=allow_dirty)
+        before = revert_series(series, tree.root, allow_dirty=allow_dirty)
         done = [s for s in before if s.state is State.APPLIED]
         print(f"result: reverted {len(done)} patch(es)" if done else "result: not applied")
     return 0
 
 
 def _compat(args: argparse.Namespace) -> int:
-    from .patches_compat import compat_rows, markdown
+    from .compat import compat_rows, markdown
 
     command = "ess-patch patches compat" + (
         f" --versions {' '.join(args.versions)}" if args.versions else ""
     )
     try:
-        _, rows = compat_rows(
-            args.versions, args.cache, progress=lambda m: print(m, file=sys.stderr)
-        )
+        rows = compat_rows(args.versions, args.cache, progress=lambda m: print(m, file=sys.stderr))
     except RuntimeError as err:
         print(f"ess-patch patches compat: {err}", file=sys.stderr)
         return 1
@@ -202,7 +202,7 @@ def _compat(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m ess_patch.patches_cli ACTION ...`` (the same as ``ess-patch patches``)."""
+    """``python -m ess_patch.patchset.cli ACTION ...`` (the same as ``ess-patch patches``)."""
     parser = argparse.ArgumentParser(
         prog="ess-patch patches",
         epilog=_EPILOG,

@@ -12,7 +12,7 @@ with ``pip download --no-deps --python-version 3.12 --only-binary=:all:``, unpac
 - whether the patched tree is the exact twin of ``install()`` (every method it wraps is
   decorated, nothing else is).
 
-Run: ``ess-patch patches compat`` (or ``python -m ess_patch.patches_cli compat``).
+Run: ``ess-patch patches compat`` (or ``python -m ess_patch.patchset.cli compat``).
 """
 
 from __future__ import annotations
@@ -30,16 +30,12 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from . import __version__
-from .integrations.megatron import MEGATRON
-from .patchset import (
-    class_defines,
-    conflicting_files,
-    detect,
-    discover,
-    select_series,
-    series_gaps,
-)
+from .. import __version__
+from ..integrations.megatron import MEGATRON
+from .apply import conflicting_files
+from .series import discover
+from .trees import detect
+from .twin import class_defines, select_series, series_gaps
 
 __all__ = ["CompatRow", "compat_rows", "fetch_wheel", "markdown", "upstream_versions"]
 
@@ -138,10 +134,8 @@ def check_tree(version: str, root: Path) -> CompatRow:
     return CompatRow(version, series.version, applies, tuple(missing), tuple(optional), gaps)
 
 
-def compat_rows(
-    versions: Sequence[str] | None, cache: Path, *, progress=None
-) -> tuple[list[str], list[CompatRow]]:
-    """Fetch and check each version (default: :func:`upstream_versions`)."""
+def compat_rows(versions: Sequence[str] | None, cache: Path, *, progress=None) -> list[CompatRow]:
+    """Fetch and check each version (default: :func:`upstream_versions`), one row each."""
     versions = list(versions) if versions else upstream_versions()
     rows = []
     for version in versions:
@@ -150,7 +144,7 @@ def compat_rows(
         wheel = fetch_wheel(version, cache)
         with tempfile.TemporaryDirectory(prefix=f"ess-patch-compat-{version}-") as tmp:
             rows.append(check_tree(version, unpack_core(wheel, Path(tmp))))
-    return versions, rows
+    return rows
 
 
 def markdown(rows: Sequence[CompatRow], *, command: str) -> str:
