@@ -4,9 +4,11 @@ Each layout runs in fresh processes (the package's launcher, ``ess_patch._launch
 ``parallel_state``).
 Every rank holds its DP shard of a 256-trajectory batch, CP-sliced as miles slices it; the
 last pipeline stage computes ``compute_ess_lr`` and ``broadcast_from_last_stage`` gives the
-result to every stage. The minimum is one collective per parallel dimension larger than one
-(CP all-reduce of the per-trajectory table, DP all-gather of a 10-float summary, PP
-broadcast of a 7-float result); a rank off the last stage only receives the broadcast.
+result to every stage. The minimum: CP two (an all-gather of the envelopes -- failed flag,
+trajectory count, settings -- before the all-reduce of the per-trajectory table, so that a
+count disagreement is an error, not a gloo abort), DP one (all-gather of the 10-float summary
+with its envelope), PP one (all-gather of the result with every stage's envelope); a rank off
+the last stage joins only the PP exchange.
 
 Disabled: a real Megatron optimizer step (dp=2) issues the same collectives unpatched,
 installed with nothing armed, and armed (the wrapper adds none: it only writes LRs).
@@ -155,7 +157,9 @@ def run(layouts=LAYOUTS) -> tuple[str, dict[str, bool]]:
     rows, ok_min = [], True
     for dp, cp, pp in layouts:
         results = launch_ranks(rank_rollout, dp=dp, cp=cp, pp=pp, args=(7,), timeout=120)
-        minimum = sum(size > 1 for size in (dp, cp, pp))
+        # CP: the envelope all-gather (counts, flags, settings) must precede the payload, so
+        # that gloo never sees mismatched sizes; DP and PP carry their envelope in their row.
+        minimum = (dp > 1) + 2 * (cp > 1) + (pp > 1)
         last = [r for r in results if r["last"]]
         other = [r for r in results if not r["last"]]
         counts_last = {len(r["calls"]) for r in last}
