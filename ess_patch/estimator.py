@@ -148,7 +148,16 @@ def trajectory_stats(
     lengths = bounds.diff()
     lp = torch.cat(list(log_probs))  # same-dtype concatenations: one op each whatever B
     rlp = torch.cat(list(rollout_log_probs))
-    unmasked = torch.cat(list(loss_masks)) == 0
+    masks = torch.cat(list(loss_masks))
+    if masks.is_floating_point() and bool(torch.isnan(masks).any()):
+        # NaN != 0 would count as masked-in: say which sample instead of guessing
+        bad = next(i for i, m in enumerate(loss_masks) if bool(torch.isnan(m).any()))
+        raise ValueError(
+            f"loss_masks[{bad}] holds NaN; a mask entry must be 0 (ignored) or non-zero "
+            "(counted). Fix the mask (e.g. torch.nan_to_num) before ESS-LR"
+        )
+    unmasked = masks == 0
+    del masks
     diff = lp.to(_ACC)  # a fresh float64 copy (cat's own output if the inputs are float64)
     del lp
     diff.sub_(rlp)  # computed in float64: exact for fp32/bf16 inputs

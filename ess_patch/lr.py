@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from .result import check_scale
+
 __all__ = ["check_scale", "scaled_lr"]
-
-
-def check_scale(scale: float) -> float:
-    """Return ``scale`` as a float, or raise ``ValueError`` unless it is in (0, 1]."""
-    try:
-        value = float(scale)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"LR scale {scale!r} is not a number; expected a float in (0, 1]"
-        ) from None
-    if not (0.0 < value <= 1.0) or math.isnan(value):
-        raise ValueError(f"LR scale {scale!r} must be in (0, 1]: ESS-LR only ever lowers the LR")
-    return value
 
 
 @contextmanager

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-__all__ = ["ENCODED_SIZE", "STATUSES", "EssLrResult"]
+__all__ = ["ENCODED_SIZE", "STATUSES", "EssLrResult", "check_scale"]
 
 #: ok: computed from at least one valid trajectory.
 #: no_valid: no trajectory had a masked token anywhere: no-op (scale 1, rho 1).
@@ -13,6 +13,19 @@ __all__ = ["ENCODED_SIZE", "STATUSES", "EssLrResult"]
 #: nonfinite: a NaN/inf log-ratio with the "floor" policy: fail closed to the floor.
 #: manual: armed from a bare float by the caller.
 STATUSES = ("ok", "no_valid", "missing", "nonfinite", "manual")
+
+
+def check_scale(scale: float) -> float:
+    """Return ``scale`` as a float, or raise ``ValueError`` unless it is in (0, 1]."""
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"LR scale {scale!r} is not a number; expected a float in (0, 1]"
+        ) from None
+    if not (0.0 < value <= 1.0) or math.isnan(value):
+        raise ValueError(f"LR scale {scale!r} must be in (0, 1]: ESS-LR only ever lowers the LR")
+    return value
 
 
 @dataclass(frozen=True)
@@ -47,9 +60,7 @@ class EssLrResult:
     @classmethod
     def from_scale(cls, scale: float) -> EssLrResult:
         """Wrap a bare scale chosen by the caller; rho and ESS are unknown (NaN)."""
-        scale = float(scale)
-        if not (0.0 < scale <= 1.0):
-            raise ValueError(f"LR scale {scale!r} must be in (0, 1]")
+        scale = check_scale(scale)
         return cls(scale=scale, rho=math.nan, ess=math.nan, num_trajectories=0, status="manual")
 
     def metrics(self) -> dict[str, float]:

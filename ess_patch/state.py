@@ -12,8 +12,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from .lr import check_scale
-from .result import EssLrResult
+from .result import EssLrResult, check_scale
 
 __all__ = ["ROLES", "STATE", "arm", "armed", "disarm", "exclude", "reset", "set_role"]
 

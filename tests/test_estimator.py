@@ -359,3 +359,19 @@ def test_requires_grad_inputs_build_no_autograd_graph():
 def test_config_dict_is_a_clear_type_error():
     with pytest.raises(TypeError, match="EssLrConfig"):
         compute_ess_lr(*_batch([0.0, 1.0]), config={"weight_mode": "product"})
+
+
+def test_a_nan_mask_entry_is_rejected_naming_the_sample():
+    lp = [torch.zeros(3), torch.zeros(4)]
+    rlp = [torch.zeros(3), torch.zeros(4)]
+    masks = [torch.ones(3), torch.tensor([1.0, float("nan"), 0.0, 1.0])]
+    with pytest.raises(ValueError, match=r"loss_masks\[1\] holds NaN"):
+        compute_ess_lr(lp, rlp, masks)
+
+
+def test_arm_with_a_non_number_says_what_is_wrong():
+    import ess_patch
+
+    with pytest.raises(ValueError, match="LR scale 'x' is not a number"):
+        ess_patch.arm("x")
+    assert ess_patch.armed() is None
