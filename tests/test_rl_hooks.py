@@ -133,3 +133,30 @@ def test_settings_come_from_the_flags_else_from_install(clean_ess, monkeypatch):
         "geometric",
         0.3,
     )
+
+
+def test_a_fork_with_some_ess_flags_gets_the_rest():
+    """A host that defines --ess-lr-floor itself (and no --use-ess-lr): ours are added around
+    it, the host's own floor option is kept, and the README's launch line parses."""
+    parser = argparse.ArgumentParser(prog="train.py")
+    parser.add_argument("--ess-lr-floor", type=float, default=0.25)
+    add_ess_arguments(parser)
+    args = parser.parse_args(["--use-ess-lr", "--ess-lr-floor", "0.3", "--ess-lr-rule", "linear"])
+    assert (args.use_ess_lr, args.ess_lr_floor, args.ess_lr_rule) == (True, 0.3, "linear")
+    assert parser.parse_args([]).ess_lr_floor == 0.25  # the host's default stands
+
+
+def test_a_fork_with_use_ess_lr_still_gets_the_options():
+    parser = argparse.ArgumentParser(prog="train.py")
+    parser.add_argument("--use-ess-lr", action="store_true")
+    add_ess_arguments(parser)
+    args = parser.parse_args(["--use-ess-lr", "--ess-lr-floor", "0.2"])
+    assert (args.use_ess_lr, args.ess_lr_floor) == (True, 0.2)
+
+
+def test_a_host_flag_with_another_dest_is_refused():
+    parser = argparse.ArgumentParser(prog="train.py")
+    parser.add_argument("--use-ess-lr", dest="ess_enabled", action="store_true")
+    with pytest.raises(ValueError, match=r"--use-ess-lr with dest='ess_enabled'.*args\.use_ess_lr"):
+        add_ess_arguments(parser)
+    assert "--ess-lr-floor" not in parser._option_string_actions  # nothing half-added

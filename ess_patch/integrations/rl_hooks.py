@@ -85,10 +85,45 @@ def _positive(text: str) -> float:
 
 
 def add_ess_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--use-ess-lr`` and its options to a host framework's parser (idempotent)."""
-    if "--use-ess-lr" in parser._option_string_actions:  # the user added them already
-        return parser
-    group = parser.add_argument_group("ESS learning-rate scaling (ess-patch)")
+    """Add ``--use-ess-lr`` and its options to a host framework's parser.
+
+    Merges with what the host (a fork, or a second call) already defines: each option the
+    parser lacks is added, each it has is kept as the host wrote it, provided it stores into
+    the attribute ess-patch reads (``args.use_ess_lr``, ``args.ess_lr_floor``...).
+
+    Raises:
+        ValueError: the host defines one of our option strings with another ``dest`` (ESS-LR
+            would silently read a default instead of the user's value).
+    """
+    known = parser._option_string_actions
+    pending: list[tuple[tuple[str, ...], dict[str, Any]]] = []
+
+    class _Collect:
+        def add_argument(self, *flags: str, **kwargs: Any) -> None:
+            pending.append((flags, kwargs))
+
+    _declare_ess_arguments(_Collect())
+    missing = []
+    for flags, kwargs in pending:
+        dest = flags[0].lstrip("-").replace("-", "_")
+        action = known.get(flags[0])
+        if action is None:
+            missing.append((flags, kwargs))
+        elif action.dest != dest:
+            raise ValueError(
+                f"the host parser already defines {flags[0]} with dest={action.dest!r}; "
+                f"ess-patch reads args.{dest}. Rename the host's option or give it "
+                f"dest={dest!r}, so that --use-ess-lr and its options are not silently ignored"
+            )
+    if missing:
+        group = parser.add_argument_group("ESS learning-rate scaling (ess-patch)")
+        for flags, kwargs in missing:
+            group.add_argument(*flags, **kwargs)
+    return parser
+
+
+def _declare_ess_arguments(group: Any) -> None:
+    """Our options, declared once (``add_ess_arguments`` decides which ones to add)."""
     group.add_argument(
         "--use-ess-lr",
         action="store_true",
@@ -127,7 +162,6 @@ def add_ess_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         default="raise",
         help="On a NaN/inf log-ratio: 'raise' on every rank (default) or train at the floor.",
     )
-    return parser
 
 
 def compose_custom_arguments(
