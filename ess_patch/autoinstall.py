@@ -37,17 +37,31 @@ def requested(environ: dict[str, str] | None = None) -> str | None:
 def run() -> bool:
     """Install if the environment asks for it; never raises (it runs at start-up).
 
-    Returns whether ess-patch is installed afterwards.
+    Idempotent: ``site`` reads a virtualenv's site-packages twice, so the ``.pth`` line can
+    run twice in one process; the second call does nothing and says nothing. A failure is
+    logged once: a bad ``ESS_LR_*`` value as one line naming it, anything else with its
+    traceback. Returns whether ess-patch is installed afterwards.
     """
+    from .install import install, is_installed
+    from .state import STATE
+
+    raw = os.environ.get(ENV, "")
     wanted = requested()
     if wanted is None:
         return False
-    from .install import install, is_installed
-
+    if STATE.autoinstall is not None:
+        return is_installed()
+    STATE.autoinstall = "attempted"
     try:
         install(wanted or None)
-    except Exception:  # a broken start-up must say so loudly, not kill every process
-        logger.exception("ess-patch: %s=%r was set but install() failed", ENV, wanted)
+    except ValueError as exc:  # a setting the user gave (ESS_LR_FLOOR=5, an unknown name)
+        STATE.autoinstall = f"failed: {exc}"
+        logger.error("ess-patch: %s=%r was set but not installed in this process: %s", ENV, raw, exc)
+    except Exception as exc:  # a broken start-up must say so loudly, not kill every process
+        STATE.autoinstall = f"failed: {type(exc).__name__}: {exc}"
+        logger.exception("ess-patch: %s=%r was set but install() failed", ENV, raw)
+    else:
+        STATE.autoinstall = "installed"
     return is_installed()
 
 

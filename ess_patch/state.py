@@ -33,6 +33,8 @@ class _EssState:
     installed: dict[str, list[Any]] | None = None
     hooks_registered: set[str] = field(default_factory=set)
     config: Any = None
+    # what the start-up auto-install did in this process (site may run the .pth twice)
+    autoinstall: str | None = None
     local: threading.local = field(default_factory=threading.local)
 
 
@@ -45,6 +47,7 @@ def reset() -> None:
     STATE.role = "policy"
     STATE.excluded = weakref.WeakSet()
     STATE.local = threading.local()
+    STATE.autoinstall = None
 
 
 def arm(result_or_scale: EssLrResult | float) -> EssLrResult:

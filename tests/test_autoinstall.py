@@ -60,7 +60,7 @@ def test_a_bad_value_says_so_and_does_not_kill_the_process():
     proc = _probe("bogus")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "WRAPPED False False" in proc.stdout
-    assert "ESS_PATCH_AUTO_INSTALL='bogus' was set but install() failed" in proc.stderr
+    assert proc.stderr.count("ESS_PATCH_AUTO_INSTALL='bogus' was set but not installed") == 1
     assert "unknown ess-patch integration(s) 'bogus'" in proc.stderr
 
 
@@ -97,3 +97,31 @@ def test_megatron_init_hook_installs_once(clean_ess):
     assert ess_patch.is_installed()
     megatron_init(object())  # a second actor init in the same process: still installed, once
     assert ess_patch.is_installed()
+
+
+_PTH_TWICE = f"""
+line = open({str(Path(__file__).resolve().parents[1] / PTH)!r}).read()
+exec(line)
+exec(line)  # site reads a venv's site-packages twice
+import ess_patch
+print("INSTALLED", ess_patch.is_installed())
+"""
+
+
+def test_the_pth_running_twice_installs_once_and_says_nothing():
+    proc = _probe("1", _PTH_TWICE)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "INSTALLED True" in proc.stdout
+    assert "already installed" not in proc.stderr
+    assert proc.stderr.strip() == "" or "Traceback" not in proc.stderr
+
+
+def test_a_bad_ess_lr_value_is_one_clear_line_once():
+    env_code = "import os; os.environ['ESS_LR_FLOOR'] = '5'\n" + _PTH_TWICE
+    proc = _probe("1", env_code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "INSTALLED False" in proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if "ESS_PATCH_AUTO_INSTALL='1'" in line]
+    assert len(errors) == 1, proc.stderr
+    assert "EssLrConfig.floor='5' must be in (0, 1]" in errors[0]
+    assert "Traceback" not in proc.stderr
