@@ -56,7 +56,9 @@ def run() -> bool:
         install(wanted or None)
     except ValueError as exc:  # a setting the user gave (ESS_LR_FLOOR=5, an unknown name)
         STATE.autoinstall = f"failed: {exc}"
-        logger.error("ess-patch: %s=%r was set but not installed in this process: %s", ENV, raw, exc)
+        logger.error(
+            "ess-patch: %s=%r was set but not installed in this process: %s", ENV, raw, exc
+        )
     except Exception as exc:  # a broken start-up must say so loudly, not kill every process
         STATE.autoinstall = f"failed: {type(exc).__name__}: {exc}"
         logger.exception("ess-patch: %s=%r was set but install() failed", ENV, raw)
