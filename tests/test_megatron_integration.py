@@ -265,3 +265,61 @@ def test_attach_plain_torch_optimizer_with_its_scheduler():
 def test_attach_rejects_objects_without_param_groups():
     with pytest.raises(TypeError, match="needs an optimizer with step\\(\\) and param_groups"):
         ess_patch.attach(object())
+
+
+def _sgd_with_scheduler(first: str):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if first == "scheduler":
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        ess_patch.attach(opt)
+    else:
+        ess_patch.attach(opt)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    return model, opt, sched
+
+
+@pytest.mark.parametrize("first", ["scheduler", "attach"])
+def test_attach_and_a_torch_scheduler_in_either_order(first):
+    """StepLR re-wraps opt.step; the scale must still apply (not silently 1.0), exactly once."""
+    model, opt, sched = _sgd_with_scheduler(first)
+    ess_patch.arm(0.5)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    model(torch.ones(4, 3)).sum().backward()
+    opt.step()
+    for p0, p in zip(before, model.parameters()):
+        assert torch.equal(p.detach(), p0.add(p.grad, alpha=-(0.1 * 0.5)))
+    assert opt.param_groups[0]["lr"] == 0.1  # restored before the scheduler
+    sched.step()
+    assert opt.param_groups[0]["lr"] == 0.05
+    ess_patch.detach(opt)
+    assert getattr(vars(opt).get("step"), "_wrapped_by_lr_sched", False)  # the scheduler's stays
+    # detached: the next step uses the scheduled LR, and the scheduler still counts steps
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    model(torch.ones(4, 3)).sum().backward()
+    opt.step()
+    for p0, p in zip(before, model.parameters()):
+        assert torch.equal(p.detach(), p0.add(p.grad, alpha=-0.05))
+    sched.step()
+    assert opt.param_groups[0]["lr"] == 0.025
+
+
+def test_a_raising_torch_step_leaves_the_lr_restored_by_the_next_step():
+    model, opt, _ = _sgd_with_scheduler("attach")
+    ess_patch.arm(0.5)
+
+    def boom(_opt, _args, _kwargs):
+        raise RuntimeError("boom")
+
+    handle = opt.register_step_pre_hook(boom)  # runs after ours: the step raises mid-way
+    with pytest.raises(RuntimeError, match="boom"):
+        opt.step()
+    handle.remove()
+    ess_patch.disarm()
+    opt.zero_grad()
+    model(torch.ones(4, 3)).sum().backward()
+    opt.step()
+    assert opt.param_groups[0]["lr"] == 0.1
