@@ -457,17 +457,22 @@ def test_fsdp_actor_attaches_its_optimizer_when_enabled(clean_ess):
     from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
 
     from ess_patch.integrations.miles import fsdp_train_core_wrapper
-    from ess_patch.patching import is_ours
 
     _install("miles")
     assert _hooked(vars(FSDPTrainRayActor)["_train_core"])
     for enabled in (False, True):
         actor = FSDPTrainRayActor.__new__(FSDPTrainRayActor)
         actor.args = Namespace(use_ess_lr=enabled)
-        actor.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+        param = torch.nn.Parameter(torch.ones(1))
+        actor.optimizer = torch.optim.SGD([param], lr=0.1)
         ran = fsdp_train_core_wrapper(lambda *a, **k: "trained", actor, (), {})
         assert ran == "trained"
-        assert is_ours(vars(actor.optimizer).get("step")) is enabled
+        ess_patch.arm(0.5)
+        param.grad = torch.ones(1)
+        actor.optimizer.step()  # attached: the armed scale applies; not attached: plain SGD
+        ess_patch.disarm()
+        assert param.item() == (1.0 - 0.1 * 0.5 if enabled else 1.0 - 0.1)
+        assert actor.optimizer.param_groups[0]["lr"] == 0.1
 
 
 # --- every process: the documented one-line launch change -------------------------------------
