@@ -287,7 +287,8 @@ def test_advantage_hook_arms_the_reference_scale_on_every_rank(fw, tmp_path):
         assert r["armed_when_off"] is None
         plain_calls, off_calls, on_calls = r["calls"]
         assert off_calls == plain_calls  # disabled: not one extra collective
-        assert on_calls == [*plain_calls, "all_reduce", "all_gather"]  # CP, then DP
+        # CP: envelopes, then the table; DP: summaries with envelopes
+        assert on_calls == [*plain_calls, "all_gather", "all_reduce", "all_gather"]
         assert r["critic_role"] == "critic"
 
 

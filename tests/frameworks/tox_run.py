@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {reason}", file=sys.stderr)
         return 0
     requirements = sorted(HERE.glob("requirements-*.txt"))
-    pip = [sys.executable, "-m", "pip", "install", *args.pin, f"{ROOT}[test]"]
+    pip = [sys.executable, "-m", "pip", "install", *args.pin, f"{ROOT}[test,demo]"]
     for req in requirements:
         pip += ["-r", str(req)]
     subprocess.run(pip, check=True, cwd=ROOT)
