@@ -61,6 +61,8 @@ class EssLrConfig:
     rule: str = "sqrt"
     base_ratio: float = 1.0
     nonfinite: str = "raise"
+    #: Compute and log everything every rollout, but never change an LR (``--ess-lr-shadow``).
+    shadow: bool = False
 
     def __post_init__(self) -> None:
         floor = _as_float("floor", self.floor)
@@ -80,6 +82,7 @@ class EssLrConfig:
         _choice("weight_mode", self.weight_mode, WEIGHT_MODES)
         _choice("rule", self.rule, RULES)
         _choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        object.__setattr__(self, "shadow", _as_bool("shadow", self.shadow))
 
     def fingerprint(self) -> list[float]:
         """One float per field, equal on two ranks exactly when that field is equal.
@@ -92,7 +95,8 @@ class EssLrConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> EssLrConfig:
         """Build a config from ``ESS_LR_FLOOR``, ``ESS_LR_WEIGHT_MODE``, ``ESS_LR_RULE``,
-        ``ESS_LR_BASE_RATIO``, ``ESS_LR_NONFINITE``; explicit ``overrides`` win."""
+        ``ESS_LR_BASE_RATIO``, ``ESS_LR_NONFINITE``, ``ESS_LR_SHADOW`` (1/0/true/false);
+        explicit ``overrides`` win."""
         env = os.environ if environ is None else environ
         values: dict[str, object] = {}
         for f in fields(cls):
@@ -115,6 +119,20 @@ def _as_float(name: str, value: object) -> float:
     return out
 
 
+_TRUE = ("1", "true")
+_FALSE = ("0", "false")
+
+
+def _as_bool(name: str, value: object) -> bool:
+    # from_env hands strings over: only unambiguous spellings, never Python truthiness
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    env = _ENV_PREFIX + name.upper()
+    raise ValueError(f"EssLrConfig.{name}={value!r} (or {env}) must be a bool: 1/0/true/false")
+
+
 def _encode_field(name: str, value: object) -> float:
     if value is None:
         return -math.inf
@@ -131,6 +149,8 @@ def describe_fingerprint(values: list[float]) -> dict[str, object]:
     for f, v in zip(fields(EssLrConfig), values, strict=True):
         if f.name in _CHOICES and 0 <= v < len(_CHOICES[f.name]):
             out[f.name] = _CHOICES[f.name][int(v)]
+        elif f.type in ("bool", bool):
+            out[f.name] = bool(v)
         elif v == -math.inf:
             out[f.name] = None
         else:

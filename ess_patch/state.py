@@ -26,6 +26,8 @@ ROLES = ("policy", "critic")
 @dataclass
 class _EssState:
     armed: EssLrResult | None = None
+    # shadow mode's last result: logged, never read by the optimizer wrappers
+    shadow: EssLrResult | None = None
     role: str = "policy"
     excluded: weakref.WeakSet = field(default_factory=weakref.WeakSet)
     # install bookkeeping, owned by ess_patch.install: integration name -> its patches;
@@ -44,6 +46,7 @@ STATE = _EssState()
 def reset() -> None:
     """Forget everything armed or marked (does not unwrap patches: use ``uninstall``)."""
     STATE.armed = None
+    STATE.shadow = None
     STATE.role = "policy"
     STATE.excluded = weakref.WeakSet()
     STATE.local = threading.local()

@@ -30,8 +30,11 @@ print("WRAPPED", is_ours(vars(m.FP32Optimizer)["step"]), ess_patch.is_installed(
 """
 
 
-def _probe(value: str | None, code: str = PROBE) -> subprocess.CompletedProcess:
+def _probe(
+    value: str | None, code: str = PROBE, extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "ESS_PATCH_AUTO_INSTALL"}
+    env.update(extra_env or {})
     if value is not None:
         env["ESS_PATCH_AUTO_INSTALL"] = value
     return subprocess.run(
@@ -117,8 +120,9 @@ def test_the_pth_running_twice_installs_once_and_says_nothing():
 
 
 def test_a_bad_ess_lr_value_is_one_clear_line_once():
-    env_code = "import os; os.environ['ESS_LR_FLOOR'] = '5'\n" + _PTH_TWICE
-    proc = _probe("1", env_code)
+    # in the process's environment from the start: where the wheel's .pth sits in
+    # site-packages, it has already run once before the probe's own code
+    proc = _probe("1", _PTH_TWICE, {"ESS_LR_FLOOR": "5"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "INSTALLED False" in proc.stdout
     errors = [line for line in proc.stderr.splitlines() if "ESS_PATCH_AUTO_INSTALL='1'" in line]

@@ -160,3 +160,108 @@ def test_a_host_flag_with_another_dest_is_refused():
     with pytest.raises(ValueError, match=r"--use-ess-lr with dest='ess_enabled'.*args\.use_ess_lr"):
         add_ess_arguments(parser)
     assert "--ess-lr-floor" not in parser._option_string_actions  # nothing half-added
+
+
+# --- shadow mode -------------------------------------------------------------------------------
+
+
+def test_shadow_flag_parses_and_reaches_the_config(clean_ess):
+    from ess_patch.integrations.rl_hooks import config_from_args
+
+    parser = add_ess_arguments(argparse.ArgumentParser())
+    assert parser.parse_args([]).ess_lr_shadow is None  # not given: the install config decides
+    args = parser.parse_args(["--ess-lr-shadow"])
+    assert args.ess_lr_shadow is True and args.use_ess_lr is False
+    assert config_from_args(args).shadow is True
+    assert config_from_args(parser.parse_args([])).shadow is False
+
+
+@pytest.mark.parametrize(
+    ("raw", "value"), [("1", True), ("true", True), ("TRUE", True), ("0", False), ("false", False)]
+)
+def test_shadow_from_env_accepts_clear_booleans(raw, value):
+    assert ess_patch.EssLrConfig.from_env({"ESS_LR_SHADOW": raw}).shadow is value
+
+
+@pytest.mark.parametrize("raw", ["yes", "2", "on", "tru"])
+def test_shadow_from_env_rejects_anything_else(raw):
+    with pytest.raises(ValueError, match=r"ESS_LR_SHADOW\) must be a bool: 1/0/true/false"):
+        ess_patch.EssLrConfig.from_env({"ESS_LR_SHADOW": raw})
+
+
+def test_shadow_is_in_the_fingerprint():
+    from ess_patch.config import describe_fingerprint
+
+    on = ess_patch.EssLrConfig(shadow=True).fingerprint()
+    off = ess_patch.EssLrConfig().fingerprint()
+    assert on != off  # ranks that disagree on shadow mode raise instead of drifting
+    assert describe_fingerprint(on)["shadow"] is True
+    assert describe_fingerprint(off)["shadow"] is False
+
+
+@pytest.mark.parametrize("framework", [MILES_FRAMEWORK, SLIME_FRAMEWORK])
+def test_shadow_and_use_ess_lr_together_are_refused(framework, clean_ess, monkeypatch):
+    both = r"--use-ess-lr and --ess-lr-shadow \(or ESS_LR_SHADOW=1\) are both on"
+    with pytest.raises(ValueError, match=both):
+        validate(framework, Namespace(use_ess_lr=True, ess_lr_shadow=True))
+    monkeypatch.setenv("ESS_LR_SHADOW", "1")
+    ess_patch.install("megatron")  # no config given: shadow from ESS_LR_SHADOW
+    with pytest.raises(ValueError, match=both):
+        validate(framework, Namespace(use_ess_lr=True))
+    validate(framework, Namespace(use_ess_lr=False))  # shadow alone is fine
+
+
+def test_shadow_alone_is_validated_like_enabled():
+    with pytest.raises(
+        ValueError,
+        match=r"--ess-lr-shadow needs the train log-probs.*"
+        r"Drop --ess-lr-shadow",
+    ):
+        validate(MILES_FRAMEWORK, Namespace(ess_lr_shadow=True, skip_actor_forward_only=True))
+
+
+def test_shadow_hook_computes_and_logs_but_arms_nothing(clean_ess):
+    from ess_patch.integrations.rl_hooks import ess_metrics
+    from ess_patch.state import STATE, reset
+
+    data = _rollout()
+    args = Namespace(use_ess_lr=False, ess_lr_shadow=True, ess_lr_weight_mode="product")
+    assert _call(args, data) == "advantages"
+    expected = ess_patch.compute_ess_lr(
+        data["log_probs"],
+        data["rollout_log_probs"],
+        data["loss_masks"],
+        config=ess_patch.EssLrConfig(weight_mode="product", shadow=True),
+    )
+    assert expected.scale < 1
+    assert ess_patch.armed() is None  # the optimizer wrappers see nothing
+    assert STATE.shadow == expected
+    metrics = ess_metrics()
+    assert "lr_scale" not in metrics
+    assert metrics["ess_lr_shadow_scale"] == expected.scale
+    assert (metrics["rho_ess"], metrics["ess"], metrics["ess_num_trajectories"]) == (
+        expected.rho,
+        expected.ess,
+        2.0,
+    )
+    reset()
+    assert STATE.shadow is None and ess_metrics() == {}
+
+
+def test_shadow_from_the_install_config_runs_with_use_ess_lr_off(clean_ess, monkeypatch):
+    from ess_patch.state import STATE
+
+    _call(Namespace(use_ess_lr=False), _rollout())
+    assert STATE.shadow is None  # neither on: nothing computed
+    monkeypatch.setenv("ESS_LR_SHADOW", "true")
+    ess_patch.install("megatron")
+    _call(Namespace(use_ess_lr=False), _rollout())
+    assert STATE.shadow is not None and STATE.shadow.status == "ok"
+    assert ess_patch.armed() is None
+
+
+def test_shadow_critic_computes_nothing(clean_ess):
+    from ess_patch.state import STATE
+
+    _call(Namespace(ess_lr_shadow=True, loss_type="value_loss"), _rollout())
+    assert STATE.shadow is None and ess_patch.armed() is None

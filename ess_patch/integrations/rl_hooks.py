@@ -162,6 +162,14 @@ def _declare_ess_arguments(group: Any) -> None:
         default="raise",
         help="On a NaN/inf log-ratio: 'raise' on every rank (default) or train at the floor.",
     )
+    group.add_argument(
+        "--ess-lr-shadow",
+        action="store_true",
+        default=None,  # None: not given, ESS_LR_SHADOW (via install's config) decides
+        help="Compute and log rho/ESS and the scale ESS-LR would apply "
+        "(train/ess_lr_shadow_scale) every rollout, but never change an LR. "
+        "Use without --use-ess-lr.",
+    )
 
 
 def compose_custom_arguments(
@@ -182,9 +190,18 @@ def config_from_args(args: argparse.Namespace) -> EssLrConfig:
     """The estimator settings: the ``--ess-lr-*`` flags where the host args have them, else
     the config given to ``install()`` (itself from ``ESS_LR_*`` by default)."""
     base = STATE.config if isinstance(STATE.config, EssLrConfig) else EssLrConfig()
+    values = {f.name: getattr(args, f"ess_lr_{f.name}", None) for f in fields(base)}
     return EssLrConfig(
-        **{f.name: getattr(args, f"ess_lr_{f.name}", getattr(base, f.name)) for f in fields(base)}
+        **{k: getattr(base, k) if v is None else v for k, v in values.items()}  # None: not given
     )
+
+
+def shadow_requested(args: Any) -> bool:
+    """Whether shadow mode is on: ``--ess-lr-shadow``, else the installed config's ``shadow``."""
+    value = getattr(args, "ess_lr_shadow", None)
+    if value is None:
+        return bool(getattr(STATE.config, "shadow", False))
+    return bool(value)
 
 
 def validate(framework: Framework, args: argparse.Namespace) -> None:
@@ -194,17 +211,26 @@ def validate(framework: Framework, args: argparse.Namespace) -> None:
         ValueError: an unsupported backend or mode, or a combination that can never give
             train log-probs (the ESS would silently never act).
     """
-    if not getattr(args, "use_ess_lr", False):
+    enabled = bool(getattr(args, "use_ess_lr", False))
+    shadow = shadow_requested(args)
+    if not (enabled or shadow):
         return
+    if enabled and shadow:
+        raise ValueError(
+            "--use-ess-lr and --ess-lr-shadow (or ESS_LR_SHADOW=1) are both on: shadow mode "
+            "never changes an LR, --use-ess-lr does. Keep one of them "
+            f"({framework.name})"
+        )
+    flag = "--use-ess-lr" if enabled else "--ess-lr-shadow"
     config_from_args(args)  # field checks (a floor set programmatically, not by the parser)
     reason = framework.unsupported_reason(args)
     if reason:
-        raise ValueError(f"--use-ess-lr is not supported with {reason} ({framework.name})")
+        raise ValueError(f"{flag} is not supported with {reason} ({framework.name})")
     reason = framework.no_input_reason(args)
     if reason:
         raise ValueError(
-            f"--use-ess-lr needs the train log-probs recomputed before the advantages, but "
-            f"{reason}, so ESS-LR would never act ({framework.name}). Drop --use-ess-lr or "
+            f"{flag} needs the train log-probs recomputed before the advantages, but "
+            f"{reason}, so ESS-LR would never act ({framework.name}). Drop {flag} or "
             "change that setting"
         )
 
@@ -231,12 +257,22 @@ def _bind_advantage_args(args: tuple, kwargs: dict) -> tuple[Any, Any]:
 
 
 def advantage_wrapper(framework: Framework) -> Callable[..., Any]:
-    """Wrap ``compute_advantages_and_returns(args, rollout_data)``: run it, then arm ESS."""
+    """Wrap ``compute_advantages_and_returns(args, rollout_data)``: run it, then arm ESS
+    (or, in shadow mode, compute it the same way and keep it for the logs only)."""
 
     def wrapper(wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict) -> Any:
         host_args, rollout_data = _bind_advantage_args(args, kwargs)
         if not getattr(host_args, "use_ess_lr", False):
-            return wrapped(*args, **kwargs)  # disabled: no collective, no state change
+            if not shadow_requested(host_args):
+                return wrapped(*args, **kwargs)  # disabled: no collective, no state change
+            STATE.shadow = None  # a failed rollout must not leave the previous one's logs
+            out = wrapped(*args, **kwargs)
+            if getattr(host_args, "loss_type", None) == "value_loss":
+                set_role("critic")
+                return out
+            # the same collectives as enabled; nothing the optimizer wrappers read is touched
+            STATE.shadow = compute_from_rollout(framework, host_args, rollout_data)
+            return out
         disarm()  # if anything below raises, the previous rollout's scale is not reused
         out = wrapped(*args, **kwargs)
         if getattr(host_args, "loss_type", None) == "value_loss":
@@ -255,12 +291,17 @@ def arm_from_rollout(framework: Framework, args: Any, rollout_data: dict) -> Ess
     Whatever fails on one rank (a missing key, bad inputs, a non-finite log-prob) fails on
     every rank of the actor, CP, DP and PP alike, and leaves nothing armed.
     """
+    disarm()  # a failed rollout must not leave the previous rollout's scale armed
+    return arm(compute_from_rollout(framework, args, rollout_data))
+
+
+def compute_from_rollout(framework: Framework, args: Any, rollout_data: dict) -> EssLrResult:
+    """This rollout's result, identical on every rank of the actor (arms nothing)."""
     # Imported here: install() (run at start-up by the auto-install) must not import torch.
     from ..compute import compute_ess_lr
     from ..cp_slicing import local_response_masks
     from ..reduction import broadcast_from_last_stage
 
-    disarm()  # a failed rollout must not leave the previous rollout's scale armed
     groups = framework.groups()
     config = config_from_args(args)
     result = None
@@ -305,7 +346,7 @@ def arm_from_rollout(framework: Framework, args: Any, rollout_data: dict) -> Ess
             framework.name,
             "train log-probs" if rollout_data.get("log_probs") is None else "rollout log-probs",
         )
-    return arm(result)
+    return result
 
 
 def common_targets(
@@ -323,6 +364,13 @@ def common_targets(
 
 
 def ess_metrics() -> dict[str, float]:
-    """The armed result's metrics (keys without ``train/``), or {} when nothing is armed."""
+    """The armed result's metrics (keys without ``train/``), else shadow mode's (its would-be
+    scale as ``ess_lr_shadow_scale``, never ``lr_scale``), else {}."""
     result = armed()
-    return {} if result is None else result.metrics()
+    if result is not None:
+        return result.metrics()
+    if STATE.shadow is None:
+        return {}
+    metrics = STATE.shadow.metrics()
+    metrics["ess_lr_shadow_scale"] = metrics.pop("lr_scale")
+    return metrics

@@ -128,6 +128,7 @@ def test_parser_accepts_the_flags_and_changes_no_default(fw, clean_ess):
         "ess_lr_rule",
         "ess_lr_base_ratio",
         "ess_lr_nonfinite",
+        "ess_lr_shadow",
     }
     before = {k: repr(v) for k, v in vars(plain).items()}
     after = {k: repr(v) for k, v in vars(off).items() if k not in ours}
@@ -154,6 +155,15 @@ def test_parser_rejects_settings_that_never_give_train_log_probs(fw, clean_ess):
         parse_upstream_args(fw, argv)
     # the same settings without ESS-LR are fine
     assert parse_upstream_args(fw, [*MINIMAL_ARGV, "--use-rollout-logprobs"]).use_rollout_logprobs
+
+
+@pytest.mark.parametrize("fw", _framework_params(FULL))
+def test_parser_takes_shadow_mode_and_refuses_it_with_use_ess_lr(fw, clean_ess):
+    _install(fw)
+    shadow = parse_upstream_args(fw, [*MINIMAL_ARGV, "--ess-lr-shadow"])
+    assert (shadow.ess_lr_shadow, shadow.use_ess_lr) == (True, False)
+    with pytest.raises(ValueError, match=r"--use-ess-lr and --ess-lr-shadow .* both on"):
+        parse_upstream_args(fw, [*MINIMAL_ARGV, "--use-ess-lr", "--ess-lr-shadow"])
 
 
 @pytest.mark.parametrize("fw", _framework_params(FULL))
@@ -247,6 +257,11 @@ def rank_advantage_hook(fw: str) -> dict:
     _install(fw)
     off, off_calls = _advantages(loss.compute_advantages_and_returns, _host_args(fw, False), batch)
     armed_when_off = ess_patch.armed()
+    shadow_args = _host_args(fw, False)
+    shadow_args.ess_lr_shadow = True
+    shadow_out, shadow_calls = _advantages(loss.compute_advantages_and_returns, shadow_args, batch)
+    armed_when_shadow = ess_patch.armed()
+    shadow = ess_patch.state.STATE.shadow
     on, on_calls = _advantages(loss.compute_advantages_and_returns, _host_args(fw, True), batch)
     result = ess_patch.armed()
     critic_args = _host_args(fw, True)
@@ -259,6 +274,10 @@ def rank_advantage_hook(fw: str) -> dict:
         "on_identical": all(torch.equal(a, b) for a, b in zip(plain, on, strict=True)),
         "armed_when_off": armed_when_off,
         "calls": (plain_calls, off_calls, on_calls),
+        "shadow_identical": all(torch.equal(a, b) for a, b in zip(plain, shadow_out, strict=True)),
+        "armed_when_shadow": armed_when_shadow,
+        "shadow_calls": shadow_calls,
+        "shadow": None if shadow is None else (shadow.scale, shadow.rho, shadow.status),
         "result": None if result is None else (result.scale, result.rho, result.status),
         "critic_role": ess_patch.state.STATE.role,
     }
@@ -287,6 +306,10 @@ def test_advantage_hook_arms_the_reference_scale_on_every_rank(fw, tmp_path):
         assert r["armed_when_off"] is None
         plain_calls, off_calls, on_calls = r["calls"]
         assert off_calls == plain_calls  # disabled: not one extra collective
+        # shadow mode: the same collectives and the same result as enabled, nothing armed
+        assert r["shadow_identical"] and r["armed_when_shadow"] is None
+        assert r["shadow_calls"] == on_calls
+        assert r["shadow"] == r["result"]
         # CP: envelopes, then the table; DP: summaries with envelopes
         assert on_calls == [*plain_calls, "all_gather", "all_reduce", "all_gather"]
         assert r["critic_role"] == "critic"
@@ -307,8 +330,9 @@ def _one_rollout_batch() -> dict:
     }
 
 
-@_needs(FULL, "miles")
-def test_miles_train_step_scales_once_restores_the_lr_and_logs(world, clean_ess, monkeypatch):
+def _miles_train_step(monkeypatch, flags):
+    """One rollout through miles' real advantage hook and ``train`` (two optimizer steps):
+    the armed result, the (lr, param, grad) each step started from, the optimizer, the logs."""
     from megatron_cpu import batch, build_megatron_optimizer, param_triples
 
     if VENDORED:  # what install() would also hook once imported: import it to check it
@@ -318,7 +342,7 @@ def test_miles_train_step_scales_once_restores_the_lr_and_logs(world, clean_ess,
             for name in INTEGRATIONS[integration].modules:
                 importlib.import_module(name)
     _install(["megatron", "miles"])
-    argv = [*MINIMAL_ARGV, "--lr", "1e-2", "--use-ess-lr", "--ess-lr-weight-mode", "product"]
+    argv = [*MINIMAL_ARGV, "--lr", "1e-2", *flags, "--ess-lr-weight-mode", "product"]
     args = parse_upstream_args("miles", argv)
     import miles.backends.megatron_utils.model as model_module
     import miles.backends.training_utils.log_utils as log_utils
@@ -333,7 +357,6 @@ def test_miles_train_step_scales_once_restores_the_lr_and_logs(world, clean_ess,
     rollout = _one_rollout_batch()
     actor_module.compute_advantages_and_returns(args, rollout)
     result = ess_patch.armed()
-    assert result is not None and result.status == "ok" and result.scale < 1.0
 
     seen = {}
 
@@ -368,10 +391,17 @@ def test_miles_train_step_scales_once_restores_the_lr_and_logs(world, clean_ess,
         witness_info=None,
         attempt=0,
     )
+    return result, seen["before"], setup, logged
+
+
+@_needs(FULL, "miles")
+def test_miles_train_step_scales_once_restores_the_lr_and_logs(world, clean_ess, monkeypatch):
+    from megatron_cpu import param_triples
+
+    result, before, setup, logged = _miles_train_step(monkeypatch, ["--use-ess-lr"])
+    assert result is not None and result.status == "ok" and result.scale < 1.0
     # the update used lr * scale, exactly once, for every parameter
-    for (lr, p0, grad), (_, p1, _) in zip(
-        seen["before"], param_triples(setup.optimizer), strict=True
-    ):
+    for (lr, p0, grad), (_, p1, _) in zip(before, param_triples(setup.optimizer), strict=True):
         assert grad.abs().sum() > 0
         assert torch.equal(p1, p0.add(grad, alpha=-(lr * result.scale)))
         assert not torch.equal(p1, p0.add(grad, alpha=-lr))
@@ -384,6 +414,41 @@ def test_miles_train_step_scales_once_restores_the_lr_and_logs(world, clean_ess,
         assert record["train/rho_ess"] == result.rho
         assert record["train/ess_num_trajectories"] == 8
         assert "train/loss" in record  # miles' own metrics are still there
+
+
+@_needs(FULL, "miles")
+def test_miles_shadow_mode_logs_the_would_be_scale_and_changes_no_parameter(
+    world, clean_ess, monkeypatch
+):
+    from megatron_cpu import param_triples
+
+    from ess_patch.state import STATE
+
+    result, before, setup, logged = _miles_train_step(monkeypatch, ["--ess-lr-shadow"])
+    assert result is None  # nothing the optimizer wrappers read is armed
+    shadow = STATE.shadow
+    assert shadow is not None and shadow.status == "ok" and shadow.scale < 1.0
+    # the same number the enabled mode arms: the float64 reference of this rollout
+    rollout = _one_rollout_batch()
+    ref = reference_ess(
+        rollout["log_probs"], rollout["rollout_log_probs"], rollout["loss_masks"], mode="product"
+    )
+    assert shadow.ess == pytest.approx(ref["ess"], rel=1e-9)
+    assert shadow.scale == pytest.approx(ref["scale"], rel=1e-9)
+    # plain SGD at the scheduled LR, bitwise: what miles does without ess-patch
+    for (lr, p0, grad), (_, p1, _) in zip(before, param_triples(setup.optimizer), strict=True):
+        assert grad.abs().sum() > 0
+        assert torch.equal(p1, p0.add(grad, alpha=-lr))
+    for group in setup.optimizer.param_groups:
+        assert group["lr"] == setup.scheduler.get_lr(group)
+    assert [r["train/step"] for r in logged] == [0, 1]
+    for record in logged:
+        assert "train/lr_scale" not in record  # cannot be mistaken for an applied scale
+        assert record["train/ess_lr_shadow_scale"] == shadow.scale
+        assert record["train/rho_ess"] == shadow.rho
+        assert record["train/ess"] == shadow.ess
+        assert record["train/ess_num_trajectories"] == 8
+        assert "train/loss" in record
 
 
 @_needs(FULL, "slime")
@@ -402,6 +467,15 @@ def test_slime_train_log_gets_the_metrics(clean_ess, monkeypatch):
     assert logged[1]["train/lr_scale"] == 0.5 and logged[1]["train/rho_ess"] == 0.25
     assert logged[1]["train/loss"] == 1.0
     assert logged[2] == {"rollout/x": 1.0, "rollout/step": 3}  # only the train step
+    # shadow mode: the would-be scale under its own name, never train/lr_scale
+    from ess_patch.state import STATE
+
+    ess_patch.disarm()
+    STATE.shadow = ess_patch.EssLrResult(scale=0.5, rho=0.25, ess=2.0, num_trajectories=8)
+    logging_utils.log(args, {"train/loss": 1.0, "train/step": 4}, step_key="train/step")
+    assert "train/lr_scale" not in logged[3]
+    assert logged[3]["train/ess_lr_shadow_scale"] == 0.5 and logged[3]["train/rho_ess"] == 0.25
+    assert logged[3]["train/ess"] == 2.0 and logged[3]["train/ess_num_trajectories"] == 8
 
 
 def _fsdp_run(scale, *, attach: bool, by_hand: bool = False):
