@@ -157,7 +157,7 @@ def wrapper_cost_us(optimizer, number: int = 20000) -> dict[str, float]:
     """The wrapper's own cost per ``step()`` (us), around a no-op instead of the real step:
     the outer wrapped call plus one pass-through per child's wrapped ``step_with_ready_grads``.
     Deterministic where the end-to-end ratios are at the mercy of the machine's noise."""
-    from ess_patch.integrations.optimizer_step import step_wrapper
+    from ess_patch.lr import step_wrapper
     from ess_patch.state import STATE
 
     children = list(getattr(optimizer, "chained_optimizers", []))

@@ -11,8 +11,7 @@ from typing import Any
 
 import wrapt
 
-from .integrations.optimizer_step import step_wrapper
-from .lr import scaled_lr
+from .lr import scaled_lr, step_wrapper
 from .patching import is_ours
 from .state import STATE, scale_for
 

@@ -42,28 +42,27 @@ def run() -> bool:
     logged once: a bad ``ESS_LR_*`` value as one line naming it, anything else with its
     traceback. Returns whether ess-patch is installed afterwards.
     """
-    from .install import install, is_installed
-    from .state import STATE
+    from .install import INSTALLATION, install, is_installed
 
     raw = os.environ.get(ENV, "")
     wanted = requested()
     if wanted is None:
         return False
-    if STATE.autoinstall is not None:
+    if INSTALLATION.autoinstall is not None:
         return is_installed()
-    STATE.autoinstall = "attempted"
+    INSTALLATION.autoinstall = "attempted"
     try:
         install(wanted or None)
     except ValueError as exc:  # a setting the user gave (ESS_LR_FLOOR=5, an unknown name)
-        STATE.autoinstall = f"failed: {exc}"
+        INSTALLATION.autoinstall = f"failed: {exc}"
         logger.error(
             "ess-patch: %s=%r was set but not installed in this process: %s", ENV, raw, exc
         )
     except Exception as exc:  # a broken start-up must say so loudly, not kill every process
-        STATE.autoinstall = f"failed: {type(exc).__name__}: {exc}"
+        INSTALLATION.autoinstall = f"failed: {type(exc).__name__}: {exc}"
         logger.exception("ess-patch: %s=%r was set but install() failed", ENV, raw)
     else:
-        STATE.autoinstall = "installed"
+        INSTALLATION.autoinstall = "installed"
     return is_installed()
 
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import __version__
+from .config import WEIGHT_MODES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,7 +56,7 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--floor", type=float, help="smallest LR scale [0.1]")
     demo.add_argument(
         "--weight-mode",
-        choices=("geometric", "product"),
+        choices=WEIGHT_MODES,
         help="per-trajectory weight: exp(mean) or exp(sum) of log-ratios [geometric]",
     )
     demo.add_argument("--out", type=Path, help="output folder [./ess-demo-out/<date>-<time>]")
@@ -89,15 +90,6 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _importable(module: str) -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ImportError:  # the parent package is missing
-        return False
-
-
 def _install_hint(extra: str) -> str:
     """How to add ``extra`` where this ess-patch came from (it is not on a package index)."""
     root = Path(__file__).resolve().parents[1]
@@ -128,7 +120,9 @@ def _run_demo(args: argparse.Namespace) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    missing = [m for m in ("megatron.core", "matplotlib", "tqdm") if not _importable(m)]
+    from .doctor import findable
+
+    missing = [m for m in ("megatron.core", "matplotlib", "tqdm") if not findable(m)]
     if missing:
         print(
             f"ess-patch demo: {', '.join(missing)} not installed; install the demo extra: "

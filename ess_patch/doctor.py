@@ -19,12 +19,14 @@ from .autoinstall import ENV as AUTO_ENV
 from .autoinstall import requested
 from .config import EssLrConfig
 from .install import INTEGRATIONS, is_installed
-from .patching import is_ours
+from .patching import MISSING, UNWRAPPED, VENDORED, WRAPPED, target_status
 
-__all__ = ["Report", "collect", "render"]
+__all__ = ["MINIMUM_VERSIONS", "Report", "collect", "findable", "render"]
 
 PTH = "ess_patch-autoinstall.pth"
-_MIN = {"torch": "2.1", "wrapt": "1.16"}
+#: The oldest versions ess-patch supports: pyproject's ``dependencies`` lower bounds
+#: (tests/test_packaging.py checks that the two agree).
+MINIMUM_VERSIONS = {"torch": "2.1", "wrapt": "1.16"}
 
 
 @dataclass
@@ -49,7 +51,8 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _findable(module: str) -> bool:
+def findable(module: str) -> bool:
+    """Whether ``module`` can be imported here (found without importing it)."""
     try:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
@@ -62,7 +65,7 @@ def _versions(report: Report) -> None:
     for dist in ("ess-patch", "torch", "wrapt", "megatron-core"):
         found = _version(dist)
         if found is None:
-            if dist == "megatron-core" and _findable("megatron.core"):
+            if dist == "megatron-core" and findable("megatron.core"):
                 report.add(
                     section,
                     f"{dist:<13} not a distribution (a vendored tree: "
@@ -78,7 +81,7 @@ def _versions(report: Report) -> None:
                 report.problem(section, f"{dist} is not installed (pip install {dist})")
             continue
         report.add(section, f"{dist:<13} {found}")
-        minimum = _MIN.get(dist)
+        minimum = MINIMUM_VERSIONS.get(dist)
         if minimum and _older(found, minimum):
             report.problem(
                 section,
@@ -99,7 +102,7 @@ def _versions(report: Report) -> None:
                     "series for your version",
                 )
     for name in ("miles", "slime", "megatron.rl"):
-        spec = importlib.util.find_spec(name) if _findable(name) else None
+        spec = importlib.util.find_spec(name) if findable(name) else None
         location = (
             spec.submodule_search_locations[0] if spec and spec.submodule_search_locations else None
         )
@@ -111,12 +114,12 @@ def _targets(report: Report) -> None:
         section = f"targets: {name} ({integration.supported})"
         # Two levels: "megatron" alone is findable wherever megatron-core is, megatron.rl not.
         top = ".".join(integration.modules[0].split(".")[:2])
-        if not _findable(top):
+        if not findable(top):
             report.add(section, f"-- {top} is not importable here; nothing to patch")
             continue
         for target in integration.targets:
             try:
-                module = importlib.import_module(target.module)
+                importlib.import_module(target.module)
             except ImportError as exc:
                 state = f"module not importable ({exc.name or exc})"
                 if target.required and not _optional_module(target.module):
@@ -134,23 +137,21 @@ def _targets(report: Report) -> None:
                     f"{target.path}: importing {target.module} raised {type(exc).__name__}: {exc}",
                 )
                 continue
-            holder = module
-            for part in filter(None, target.owner.split(".")):
-                holder = getattr(holder, part, None)
-            value = vars(holder).get(target.attribute) if holder is not None else None
-            if value is None:
-                if target.required:
-                    report.problem(
-                        section, f"{target.path} is missing; supported: {integration.supported}"
-                    )
-                else:
-                    report.add(section, f"-- {target.path}: not in this version (optional)")
-            elif getattr(value, "__ess_patch_vendored__", False):
-                report.add(section, f"ok {target.path}: vendored diff applied (install() skips it)")
-            elif is_ours(value):
-                report.add(section, f"ok {target.path}: wrapped by install() in this process")
+            status = target_status(target)
+            if status == MISSING and target.required:
+                report.problem(
+                    section, f"{target.path} is missing; supported: {integration.supported}"
+                )
             else:
-                report.add(section, f"ok {target.path}: install() would wrap it")
+                report.add(section, _STATUS_LINE[status].format(path=target.path))
+
+
+_STATUS_LINE = {
+    MISSING: "-- {path}: not in this version (optional)",
+    VENDORED: "ok {path}: vendored diff applied (install() skips it)",
+    WRAPPED: "ok {path}: wrapped by install() in this process",
+    UNWRAPPED: "ok {path}: install() would wrap it",
+}
 
 
 def _optional_module(module: str) -> bool:

@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import wrapt
@@ -25,7 +26,7 @@ from .integrations.megatron import MEGATRON
 from .integrations.megatron_rl import MEGATRON_RL
 from .integrations.miles import MILES
 from .integrations.slime import SLIME
-from .patching import apply, revert
+from .patching import Patch, apply, revert
 from .state import STATE, disarm
 
 __all__ = ["INTEGRATIONS", "install", "installed_targets", "is_installed", "uninstall"]
@@ -36,6 +37,21 @@ INTEGRATIONS: dict[str, Integration] = {i.name: i for i in (MEGATRON, MILES, SLI
 
 #: Comma-separated integration names, read when ``install(integrations=None)``.
 ENV_INTEGRATIONS = "ESS_PATCH_INTEGRATIONS"
+
+
+@dataclass
+class _Installation:
+    """What install() did in this process (the rollout state is ``state.STATE``)."""
+
+    # integration name -> its patches; None when not installed
+    patches: dict[str, list[Patch]] | None = None
+    # post-import hooks cannot be unregistered: remember them
+    hooks_registered: set[str] = field(default_factory=set)
+    # what the start-up auto-install did (site may run the .pth twice)
+    autoinstall: str | None = None
+
+
+INSTALLATION = _Installation()
 
 
 def install(
@@ -59,24 +75,24 @@ def install(
         MissingTargetError: a required symbol is missing in an imported library (names the
             symbol and the supported versions); nothing stays patched.
     """
-    if STATE.installed is not None:
+    if INSTALLATION.patches is not None:
         logger.warning(
             "ess-patch is already installed (%s); call uninstall() first to change "
             "what is installed",
-            ", ".join(STATE.installed),
+            ", ".join(INSTALLATION.patches),
         )
         return
     names = _select(integrations)
     STATE.config = config if config is not None else EssLrConfig.from_env()
-    STATE.installed = {name: [] for name in names}
+    INSTALLATION.patches = {name: [] for name in names}
     try:
         for name in names:
             _check_version(INTEGRATIONS[name])
             for module in INTEGRATIONS[name].modules:
                 if module in sys.modules:
                     _on_import(sys.modules[module])
-                elif module not in STATE.hooks_registered:
-                    STATE.hooks_registered.add(module)
+                elif module not in INSTALLATION.hooks_registered:
+                    INSTALLATION.hooks_registered.add(module)
                     wrapt.register_post_import_hook(_on_import, module)
     except BaseException:
         uninstall()
@@ -86,13 +102,13 @@ def install(
 
 def uninstall() -> None:
     """Put every patched attribute back exactly (identity) and disarm. Safe to call twice."""
-    if STATE.installed is None:
+    if INSTALLATION.patches is None:
         logger.warning("ess-patch is not installed; nothing to uninstall")
         return
-    for patches in STATE.installed.values():
+    for patches in INSTALLATION.patches.values():
         for patch in reversed(patches):
             revert(patch)
-    STATE.installed = None
+    INSTALLATION.patches = None
     STATE.config = None
     disarm()
     logger.info("ess-patch uninstalled")
@@ -100,14 +116,14 @@ def uninstall() -> None:
 
 def is_installed() -> bool:
     """Whether ``install()`` is in effect in this process."""
-    return STATE.installed is not None
+    return INSTALLATION.patches is not None
 
 
 def installed_targets() -> list[str]:
     """Dotted paths of the attributes wrapped so far (grows as libraries get imported)."""
-    if STATE.installed is None:
+    if INSTALLATION.patches is None:
         return []
-    return [p.target.path for patches in STATE.installed.values() for p in patches]
+    return [p.target.path for patches in INSTALLATION.patches.values() for p in patches]
 
 
 def _select(integrations: Iterable[str] | str | None) -> list[str]:
@@ -154,9 +170,9 @@ def _check_version(integration: Integration) -> None:
 
 def _on_import(module: ModuleType) -> None:
     """Wrap the targets in ``module`` for every installed integration (idempotent)."""
-    if STATE.installed is None:  # hook left over from an uninstalled install
+    if INSTALLATION.patches is None:  # hook left over from an uninstalled install
         return
-    for name, patches in STATE.installed.items():
+    for name, patches in INSTALLATION.patches.items():
         integration = INTEGRATIONS[name]
         for target in integration.targets:
             if target.module == module.__name__:

@@ -1,14 +1,16 @@
-"""Scale every param group's LR for the duration of one block, and always restore it."""
+"""Scale every param group's LR for the duration of one block, and always restore it; the
+optimizer-step wrapper that applies the armed scale that way, exactly once per update."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from .result import check_scale
+from .state import STATE, scale_for
 
-__all__ = ["check_scale", "scaled_lr"]
+__all__ = ["scaled_lr", "step_wrapper"]
 
 
 @contextmanager
@@ -45,3 +47,30 @@ def scaled_lr(optimizer: Any, scale: float) -> Iterator[None]:
     finally:
         for group, lr in saved:
             group["lr"] = lr
+
+
+def step_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper: run one optimizer step with the armed LR scale, LRs always restored.
+
+    Shared by every optimizer integration (Megatron, ``attach``, the vendored diffs).
+    Whichever wrapped entry point runs first (``ChainedOptimizer.step``, a child's
+    ``step_with_ready_grads``, ``DistributedOptimizer.step_with_ready_grads`` calling its
+    parent's...) scales that optimizer's param groups once; nested wrapped calls on the same
+    thread pass through, so each real update is scaled exactly once whatever the nesting.
+    """
+    if STATE.armed is None:  # the default: nothing armed, nothing touched
+        return wrapped(*args, **kwargs)
+    local = STATE.local
+    if getattr(local, "in_step", False):
+        return wrapped(*args, **kwargs)
+    # The outermost wrapped call decides for the whole step, also when it decides "no":
+    # an excluded ChainedOptimizer's children must not scale themselves either.
+    local.in_step = True
+    try:
+        scale = scale_for(instance)
+        if scale is None or scale == 1.0:
+            return wrapped(*args, **kwargs)
+        with scaled_lr(instance, scale):
+            return wrapped(*args, **kwargs)
+    finally:
+        local.in_step = False

@@ -15,14 +15,27 @@ from typing import Any
 
 import wrapt
 
-__all__ = ["MissingTargetError", "Patch", "Target", "apply", "is_ours", "revert"]
+__all__ = [
+    "MISSING",
+    "UNWRAPPED",
+    "VENDORED",
+    "VENDORED_MARK",
+    "WRAPPED",
+    "MissingTargetError",
+    "Patch",
+    "Target",
+    "apply",
+    "is_ours",
+    "is_vendored",
+    "revert",
+    "target_status",
+]
 
 logger = logging.getLogger(__name__)
 
 _MARK = "_self_ess_patch_target"
-# Set by ess_patch.vendored on functions that a patches/ diff decorated (kept as a string
-# here so that this layer does not import the integrations).
-_VENDORED_MARK = "__ess_patch_vendored__"
+#: Set by ess_patch.vendored's decorators on the functions a patches/ diff decorated.
+VENDORED_MARK = "__ess_patch_vendored__"
 
 
 class MissingTargetError(ImportError):
@@ -34,7 +47,9 @@ class Target:
     """One attribute to wrap: ``module.owner.attribute`` (owner "" = a module-level name).
 
     ``required`` targets must exist and be defined by the owner itself; optional ones
-    (present only in some versions, or inherited) are skipped.
+    (present only in some versions, or inherited) are skipped. ``decorator``: the
+    ``ess_patch.vendored`` decorator a ``patches/`` diff puts on this definition (None: no
+    series decorates it, or the target is another module's re-import of a decorated one).
     """
 
     module: str
@@ -42,6 +57,7 @@ class Target:
     attribute: str
     wrapper: Callable[..., Any]
     required: bool = True
+    decorator: str | None = None
 
     @property
     def path(self) -> str:
@@ -55,10 +71,11 @@ class Patch:
     original: Any  # exactly what holder.__dict__[attribute] was
 
 
-def _resolve_owner(target: Target) -> Any:
-    holder: Any = sys.modules[target.module]
+def _holder(target: Target) -> Any:
+    """The imported module or class that should define ``target``, or None."""
+    holder: Any = sys.modules.get(target.module)
     for part in filter(None, target.owner.split(".")):
-        holder = getattr(holder, part)
+        holder = getattr(holder, part, None)
     return holder
 
 
@@ -67,16 +84,35 @@ def is_ours(obj: Any) -> bool:
     return isinstance(obj, wrapt.FunctionWrapper) and getattr(obj, _MARK, None) is not None
 
 
+def is_vendored(obj: Any) -> bool:
+    """Whether ``obj`` already carries an ess-patch call site from a vendored diff."""
+    return bool(getattr(obj, VENDORED_MARK, False))
+
+
+#: What :func:`target_status` reports.
+MISSING, VENDORED, WRAPPED, UNWRAPPED = "missing", "vendored", "wrapped", "unwrapped"
+
+
+def target_status(target: Target) -> str:
+    """What is at ``target`` now: :data:`MISSING` (its owner does not define it, or its module
+    is not imported), :data:`VENDORED` (a ``patches/`` diff's call site), :data:`WRAPPED` (by
+    ``install()`` in this process) or :data:`UNWRAPPED` (``install()`` would wrap it)."""
+    holder = _holder(target)
+    value = vars(holder).get(target.attribute) if holder is not None else None
+    if value is None:
+        return MISSING
+    if is_vendored(value):
+        return VENDORED
+    return WRAPPED if is_ours(value) else UNWRAPPED
+
+
 def apply(target: Target, supported: str) -> Patch | None:
     """Wrap ``target`` (its module must be imported). Returns None when skipped.
 
     Raises:
         MissingTargetError: a required target is missing, naming its path and ``supported``.
     """
-    try:
-        holder = _resolve_owner(target)
-    except AttributeError:
-        holder = None
+    holder = _holder(target)
     own = vars(holder) if holder is not None else {}
     if target.attribute not in own:
         if target.required:
@@ -88,7 +124,7 @@ def apply(target: Target, supported: str) -> Patch | None:
         logger.debug("ess-patch: optional target %s not present; skipped", target.path)
         return None
     original = own[target.attribute]
-    if getattr(original, _VENDORED_MARK, False):
+    if is_vendored(original):
         logger.info(
             "ess-patch: %s already calls ess-patch (vendored diff from patches/); not wrapping it",
             target.path,

@@ -1,7 +1,7 @@
-"""The one per-process state holder: what is armed, what is installed, who is the policy.
+"""The per-process rollout state: what is armed, with which settings, who is the policy.
 
-Everything mutable in ess-patch lives in :data:`STATE`; :func:`reset` puts it back to a
-fresh process's state (for tests).
+The optimizer wrappers and the framework hooks read :data:`STATE`; :func:`reset` puts it
+back to a fresh process's state (for tests). What ``install()`` patched is ``install``'s own.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from .config import EssLrConfig
 from .result import EssLrResult, check_scale
 
 __all__ = ["ROLES", "STATE", "arm", "armed", "disarm", "exclude", "reset", "set_role"]
@@ -30,13 +31,8 @@ class _EssState:
     shadow: EssLrResult | None = None
     role: str = "policy"
     excluded: weakref.WeakSet = field(default_factory=weakref.WeakSet)
-    # install bookkeeping, owned by ess_patch.install: integration name -> its patches;
-    # None when not installed. Post-import hooks cannot be unregistered: remember them.
-    installed: dict[str, list[Any]] | None = None
-    hooks_registered: set[str] = field(default_factory=set)
-    config: Any = None
-    # what the start-up auto-install did in this process (site may run the .pth twice)
-    autoinstall: str | None = None
+    # the settings install() was given, for hosts whose args lack the --ess-lr-* flags
+    config: EssLrConfig | None = None
     local: threading.local = field(default_factory=threading.local)
 
 
@@ -50,7 +46,6 @@ def reset() -> None:
     STATE.role = "policy"
     STATE.excluded = weakref.WeakSet()
     STATE.local = threading.local()
-    STATE.autoinstall = None
 
 
 def arm(result_or_scale: EssLrResult | float) -> EssLrResult:

@@ -2,7 +2,8 @@
 
 The diffs only add an import and a decorator; the behaviour lives here, shared with the
 wrapt wrappers that ``install()`` applies. Functions decorated here carry a mark, so that
-``install()`` sees a vendored tree and does not wrap it a second time.
+``install()`` sees a vendored tree and does not wrap it a second time. Which definition gets
+which decorator is written once, on the integrations' targets (``Target.decorator``).
 """
 
 from __future__ import annotations
@@ -12,17 +13,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from .integrations import Integration
 from .integrations import miles as _miles
 from .integrations import slime as _slime
-from .integrations.miles import MILES_FRAMEWORK
-from .integrations.optimizer_step import step_wrapper
+from .integrations.miles import MILES, MILES_FRAMEWORK
 from .integrations.rl_hooks import advantage_wrapper, parse_args_wrapper
-from .integrations.slime import SLIME_FRAMEWORK
+from .integrations.slime import SLIME, SLIME_FRAMEWORK
+from .lr import step_wrapper
+from .patching import VENDORED_MARK, is_vendored
 
 __all__ = [
     "CALL_SITES",
-    "VENDORED_MARK",
     "CallSite",
+    "call_sites",
     "is_vendored",
     "miles_advantages",
     "miles_fsdp_train_core",
@@ -34,20 +37,7 @@ __all__ = [
     "slime_parse_args",
 ]
 
-VENDORED_MARK = "__ess_patch_vendored__"
-
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def optimizer_step(method: F) -> F:
-    """Decorate an optimizer's ``step`` / ``step_with_ready_grads`` (the megatron-core diff)."""
-
-    @functools.wraps(method)
-    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return step_wrapper(functools.partial(method, self), self, args, kwargs)
-
-    setattr(step, VENDORED_MARK, True)
-    return step  # type: ignore[return-value]
 
 
 def _function_hook(wrapper: Callable[..., Any]) -> Callable[[F], F]:
@@ -78,6 +68,8 @@ def _method_hook(wrapper: Callable[..., Any]) -> Callable[[F], F]:
     return decorate
 
 
+#: megatron-core: on every optimizer ``step`` / ``step_with_ready_grads`` install() wraps.
+optimizer_step = _method_hook(step_wrapper)
 #: miles ``utils/arguments.py``: ``@miles_parse_args`` on ``parse_args``.
 miles_parse_args = _function_hook(parse_args_wrapper(MILES_FRAMEWORK))
 #: miles ``training_utils/loss.py``: on ``compute_advantages_and_returns``.
@@ -94,14 +86,9 @@ slime_advantages = _function_hook(advantage_wrapper(SLIME_FRAMEWORK))
 slime_log = _function_hook(_slime.log_wrapper)
 
 
-def is_vendored(obj: Any) -> bool:
-    """Whether ``obj`` already carries an ess-patch call site from a vendored diff."""
-    return bool(getattr(obj, VENDORED_MARK, False))
-
-
 @dataclass(frozen=True)
 class CallSite:
-    """Where a framework's diff (``patches/<component>/``) puts one of the decorators above.
+    """Where a diff (``patches/<component>/``) puts one of the decorators above.
 
     ``path``: the file, relative to the tree root; ``owner``: the class ("" for a module-level
     function); ``function``: what is decorated; ``decorator``: the name in this module. The
@@ -122,40 +109,17 @@ class CallSite:
         return ".".join(p for p in (self.owner, self.function) if p)
 
 
-#: Per framework, every definition that ``install()`` wraps: the diffs decorate exactly these
-#: (re-imports by name elsewhere, e.g. ``from ...loss import compute_advantages_and_returns``
-#: in ``megatron_utils/actor.py``, get the decorated function). tools/framework_series.py
-#: writes the diffs from this table; ``ess_patch.patchset`` checks them against install().
-CALL_SITES: dict[str, tuple[CallSite, ...]] = {
-    "miles": (
-        CallSite("miles/utils/arguments.py", "", "parse_args", "miles_parse_args"),
-        CallSite(
-            "miles/backends/training_utils/loss.py",
-            "",
-            "compute_advantages_and_returns",
-            "miles_advantages",
-        ),
-        CallSite(
-            "miles/backends/training_utils/log_utils.py",
-            "",
-            "log_train_step",
-            "miles_log_train_step",
-        ),
-        CallSite(
-            "miles/backends/fsdp_utils/actor.py",
-            "FSDPTrainRayActor",
-            "_train_core",
-            "miles_fsdp_train_core",
-        ),
-    ),
-    "slime": (
-        CallSite("slime/utils/arguments.py", "", "parse_args", "slime_parse_args"),
-        CallSite(
-            "slime/backends/megatron_utils/loss.py",
-            "",
-            "compute_advantages_and_returns",
-            "slime_advantages",
-        ),
-        CallSite("slime/observability/logging_utils.py", "", "log", "slime_log"),
-    ),
-}
+def call_sites(integration: Integration) -> tuple[CallSite, ...]:
+    """The definitions a diff decorates: the integration's targets that name a decorator
+    (re-imports by name elsewhere, e.g. ``from ...loss import compute_advantages_and_returns``
+    in ``megatron_utils/actor.py``, then get the decorated function)."""
+    return tuple(
+        CallSite(t.module.replace(".", "/") + ".py", t.owner, t.attribute, t.decorator)
+        for t in integration.targets
+        if t.decorator
+    )
+
+
+#: Per framework, its call sites: tools/framework_series.py writes the diffs from this
+#: table; ``ess_patch.patchset`` checks them against install().
+CALL_SITES: dict[str, tuple[CallSite, ...]] = {i.name: call_sites(i) for i in (MILES, SLIME)}

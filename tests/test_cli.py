@@ -105,7 +105,7 @@ def test_missing_extra_gives_an_install_hint_for_this_checkout(capsys, monkeypat
 
 
 def test_compat_help_names_the_python_it_targets(capsys):
-    from ess_patch.patchset.compat import PYTHON
+    from ess_patch.patchset.cli import PYTHON
 
     with pytest.raises(SystemExit):
         cli.main(["patches", "compat", "--help"])

@@ -200,7 +200,8 @@ def test_integrations_and_config_from_environment(clean, monkeypatch):
     monkeypatch.setenv("ESS_PATCH_INTEGRATIONS", "megatron")
     monkeypatch.setenv("ESS_LR_FLOOR", "0.3")
     ess_patch.install()
+    from ess_patch.install import INSTALLATION
     from ess_patch.state import STATE
 
-    assert list(STATE.installed) == ["megatron"]
+    assert list(INSTALLATION.patches) == ["megatron"]
     assert STATE.config.floor == 0.3

@@ -30,3 +30,28 @@ def test_every_subpackage_is_listed_in_pyproject():
     listed = set(_listed_packages())
     assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages"
     assert "ess_patch.patches" in listed
+
+
+def _requirements() -> list[str]:
+    import tomllib
+
+    with open(TESTS.parent / "pyproject.toml", "rb") as f:
+        project = tomllib.load(f)["project"]
+    extras = [r for reqs in project["optional-dependencies"].values() for r in reqs]
+    return [*project["dependencies"], *extras]
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="tomllib is Python 3.11+")
+def test_doctor_and_install_read_the_versions_pyproject_declares():
+    from packaging.requirements import Requirement
+
+    from ess_patch.doctor import MINIMUM_VERSIONS
+    from ess_patch.install import INTEGRATIONS
+
+    declared = {r.name: r.specifier for r in map(Requirement, _requirements())}
+    for dist, minimum in MINIMUM_VERSIONS.items():
+        assert str(declared[dist]) == f">={minimum}", dist
+    megatron = [Requirement(r) for r in _requirements() if r.startswith("megatron-core")]
+    ranges = {str(r.specifier) for r in megatron if "==" not in str(r.specifier)}
+    expected = str(Requirement("megatron-core" + INTEGRATIONS["megatron"].supported).specifier)
+    assert ranges == {expected}

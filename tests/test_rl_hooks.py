@@ -68,7 +68,7 @@ def test_flags_parse_and_reject_bad_values(capsys):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
     err = capsys.readouterr().err
-    assert "0.0 is outside (0, 1]" in err and "must be a finite number > 0" in err
+    assert "floor='0' must be in (0, 1]" in err and "must be a finite number > 0" in err
     assert "invalid choice: 'x'" in err
 
 

@@ -29,17 +29,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from ess_patch.integrations.megatron import MEGATRON  # noqa: E402
-from ess_patch.patchset import (  # noqa: E402
-    VENDORED_DECORATOR,
-    class_defines,
-    detect,
-    module_path,
-)
+from ess_patch.patchset import class_defines, detect, module_path  # noqa: E402
+from ess_patch.vendored import call_sites  # noqa: E402
 
-DECORATOR = VENDORED_DECORATOR  # what ess_patch.patchset.twin.gaps looks for
+# what ess_patch.patchset.twin.gaps looks for: the targets' one decorator, as the diff imports it
+(SITE,) = {(s.decorator, s.alias) for s in call_sites(MEGATRON)}
+VENDORED, DECORATOR = SITE
 IMPORT_BLOCK = f"""
 try:  # ess-patch call sites (ess-patch's patches/megatron-core); identity without ess_patch
-    from ess_patch.vendored import optimizer_step as {DECORATOR}
+    from ess_patch.vendored import {VENDORED} as {DECORATOR}
 except ModuleNotFoundError as _ess_import_error:
     if _ess_import_error.name != "ess_patch":  # ess_patch is there but broken: say so
         raise

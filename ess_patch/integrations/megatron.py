@@ -13,9 +13,9 @@ the LRs in every case, before the caller's scheduler runs.
 
 from __future__ import annotations
 
+from ..lr import step_wrapper
 from ..patching import Target
 from . import Integration
-from .optimizer_step import step_wrapper
 
 _OPT = "megatron.core.optimizer.optimizer"
 _DIST = "megatron.core.optimizer.distrib_optimizer"
@@ -40,7 +40,14 @@ def _targets() -> tuple[Target, ...]:
         (_LAYER, "LayerWiseDistributedOptimizer"),
     ]
     return tuple(
-        Target(module, owner, method, step_wrapper, required=(owner, method) in required)
+        Target(
+            module,
+            owner,
+            method,
+            step_wrapper,
+            required=(owner, method) in required,
+            decorator="optimizer_step",
+        )
         for module, owner in classes
         for method in _METHODS
     )

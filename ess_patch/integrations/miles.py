@@ -113,12 +113,22 @@ MILES = Integration(
     supported=SUPPORTED,
     targets=(
         *common_targets(MILES_FRAMEWORK, "miles.utils.arguments", _ADVANTAGE_SITES),
-        *(Target(module, "", "log_train_step", log_train_step_wrapper) for module in _LOG_SITES),
+        *(
+            Target(
+                module,
+                "",
+                "log_train_step",
+                log_train_step_wrapper,
+                decorator="miles_log_train_step" if module == _LOG_SITES[0] else None,
+            )
+            for module in _LOG_SITES
+        ),
         Target(
             "miles.backends.fsdp_utils.actor",
             "FSDPTrainRayActor",
             "_train_core",
             fsdp_train_core_wrapper,
+            decorator="miles_fsdp_train_core",
         ),
     ),
 )

@@ -61,27 +61,18 @@ def rollout_logprobs_only(args: argparse.Namespace) -> str | None:
 # --- flags -------------------------------------------------------------------------------------
 
 
-def _floor(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(
-            f"{value} is outside (0, 1]: the floor is the smallest fraction of the scheduled "
-            "LR an update may use (default 0.1)"
-        )
-    return value
+def _config_field(name: str) -> Callable[[str], Any]:
+    """argparse ``type`` for the flag of config field ``name``: :class:`EssLrConfig`'s own
+    check of that field (its ``ValueError`` becomes argparse's usage error)."""
 
+    def parse(text: str) -> Any:
+        try:
+            return getattr(EssLrConfig(**{name: text}), name)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{value} must be a finite number > 0")
-    return value
+    parse.__name__ = name  # argparse names the type in some messages
+    return parse
 
 
 def add_ess_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -133,7 +124,7 @@ def _declare_ess_arguments(group: Any) -> None:
     )
     group.add_argument(
         "--ess-lr-floor",
-        type=_floor,
+        type=_config_field("floor"),
         default=0.1,
         help="Smallest LR scale, in (0, 1] (default 0.1).",
     )
@@ -152,7 +143,7 @@ def _declare_ess_arguments(group: Any) -> None:
     )
     group.add_argument(
         "--ess-lr-base-ratio",
-        type=_positive,
+        type=_config_field("base_ratio"),
         default=1.0,
         help="rho is divided by this before the rule (default 1.0: no rescaling).",
     )
@@ -189,7 +180,7 @@ def compose_custom_arguments(
 def config_from_args(args: argparse.Namespace) -> EssLrConfig:
     """The estimator settings: the ``--ess-lr-*`` flags where the host args have them, else
     the config given to ``install()`` (itself from ``ESS_LR_*`` by default)."""
-    base = STATE.config if isinstance(STATE.config, EssLrConfig) else EssLrConfig()
+    base = STATE.config or EssLrConfig()
     values = {f.name: getattr(args, f"ess_lr_{f.name}", None) for f in fields(base)}
     return EssLrConfig(
         **{k: getattr(base, k) if v is None else v for k, v in values.items()}  # None: not given
@@ -200,7 +191,7 @@ def shadow_requested(args: Any) -> bool:
     """Whether shadow mode is on: ``--ess-lr-shadow``, else the installed config's ``shadow``."""
     value = getattr(args, "ess_lr_shadow", None)
     if value is None:
-        return bool(getattr(STATE.config, "shadow", False))
+        return STATE.config is not None and STATE.config.shadow
     return bool(value)
 
 
@@ -353,11 +344,25 @@ def common_targets(
     framework: Framework, arguments_module: str, advantage_sites: tuple[str, ...]
 ) -> tuple[Target, ...]:
     """The targets both frameworks have: ``parse_args``, and ``compute_advantages_and_returns``
-    where it is defined and wherever it was imported by name."""
+    where it is defined (``advantage_sites[0]``: the diffs decorate it there with
+    ``<name>_advantages``) and wherever it was imported by name."""
+    advantages = advantage_wrapper(framework)
     return (
-        Target(arguments_module, "", "parse_args", parse_args_wrapper(framework)),
+        Target(
+            arguments_module,
+            "",
+            "parse_args",
+            parse_args_wrapper(framework),
+            decorator=f"{framework.name}_parse_args",
+        ),
         *(
-            Target(module, "", "compute_advantages_and_returns", advantage_wrapper(framework))
+            Target(
+                module,
+                "",
+                "compute_advantages_and_returns",
+                advantages,
+                decorator=f"{framework.name}_advantages" if module == advantage_sites[0] else None,
+            )
             for module in advantage_sites
         ),
     )

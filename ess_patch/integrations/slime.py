@@ -77,6 +77,6 @@ SLIME = Integration(
     supported=SUPPORTED,
     targets=(
         *common_targets(SLIME_FRAMEWORK, "slime.utils.arguments", _ADVANTAGE_SITES),
-        Target("slime.observability.logging_utils", "", "log", log_wrapper),
+        Target("slime.observability.logging_utils", "", "log", log_wrapper, decorator="slime_log"),
     ),
 )

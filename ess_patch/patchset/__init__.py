@@ -23,15 +23,15 @@ Modules (each imports only those above it):
 
 - ``series``: the errors; series folder names (release or commit); :class:`Series`,
   :func:`discover`, :func:`patches_dir`.
-- ``git``: running git (``git apply`` on a folder; HEAD, committed bytes, dirty files).
-- ``trees``: :class:`Tree`, :data:`~.trees.DETECTORS`, :func:`detect`; blob-id fingerprints;
-  scratch copies.
+- ``trees``: running git (``git apply`` on a folder; HEAD, committed bytes, dirty files);
+  :class:`Tree`, :data:`~.trees.DETECTORS`, :func:`detect`; blob-id fingerprints; scratch
+  copies.
 - ``apply``: :class:`State`, :class:`~.apply.PatchStatus`; check, apply, revert a series.
 - ``twin``: whether a patched tree is the exact twin of ``install()`` (symbols parsed with
   ``ast``, :func:`~.twin.gaps`, :func:`series_gaps`) and :func:`select_series`.
+- ``cli``: ``ess-patch patches``, with the megatron-core release table behind
+  ``ess-patch patches compat`` (it downloads wheels).
 
-Front ends: ``cli`` (``ess-patch patches``) and ``compat`` (the megatron-core release table
-behind ``ess-patch patches compat``; downloads wheels, imported only when that command runs).
 This package exports what the tests, ``tools/`` and the README use.
 """
 
@@ -48,18 +48,10 @@ from .series import (
     patches_dir,
 )
 from .trees import Tree, detect
-from .twin import (
-    VENDORED_DECORATOR,
-    class_defines,
-    definition,
-    module_path,
-    select_series,
-    series_gaps,
-)
+from .twin import class_defines, definition, module_path, select_series, series_gaps
 
 __all__ = [
     "ENV_PATCHES_DIR",
-    "VENDORED_DECORATOR",
     "ConflictError",
     "DirtyTreeError",
     "Series",

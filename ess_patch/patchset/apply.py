@@ -15,9 +15,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .git import committed, dirty_files, git_apply
 from .series import ConflictError, DirtyTreeError, PatchsetError, Series, patch_files
-from .trees import scratch_copy
+from .trees import committed, dirty_files, git_apply, scratch_copy
 
 __all__ = [
     "PatchStatus",

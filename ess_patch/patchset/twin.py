@@ -17,15 +17,12 @@ from typing import Protocol
 from packaging.version import InvalidVersion, Version
 
 from ..patching import Target
-from ..vendored import CALL_SITES
 from .apply import PatchStatus, State, check_series, conflicting_files
-from .git import git_apply
 from .series import Series, UnknownTreeError, discover, matches, patches_dir, version_key
-from .trees import Tree, scratch_copy
+from .trees import Tree, git_apply, scratch_copy
 
 __all__ = [
     "INTEGRATION_OF",
-    "VENDORED_DECORATOR",
     "class_defines",
     "defined_methods",
     "definition",
@@ -150,10 +147,6 @@ def vendored_imports(root: Path, rel: str) -> dict[str, str]:
 
 # The gaps between a patched tree and install().
 
-#: The ``ess_patch.vendored`` decorator the megatron-core series put on every optimizer step.
-_MEGATRON_DECORATOR = "optimizer_step"
-#: The name the megatron-core series import it as (tools/megatron_core_series.py uses it).
-VENDORED_DECORATOR = f"_ess_{_MEGATRON_DECORATOR}"
 #: A ``patches/`` component -> the ``install()`` integration whose targets its series decorate.
 INTEGRATION_OF = {"megatron-core": "megatron", "miles": "miles", "slime": "slime"}
 
@@ -166,19 +159,18 @@ def _targets(component: str) -> tuple[Target, ...]:
     return INTEGRATIONS[INTEGRATION_OF[component]].targets
 
 
-def _decorator(component: str, site: _Site) -> str | None:
-    """The ``ess_patch.vendored`` decorator that ``component``'s series put on the definition
-    at ``site`` (None: none of its call sites)."""
-    if component == "megatron-core":
-        return _MEGATRON_DECORATOR
-    return {(c.path, c.owner, c.function): c.decorator for c in CALL_SITES[component]}.get(site)
+def _decorators(component: str) -> dict[_Site, str]:
+    """The ``ess_patch.vendored`` decorator ``component``'s series put on each definition."""
+    return {
+        (module_path(t.module), t.owner, t.attribute): t.decorator
+        for t in _targets(component)
+        if t.decorator
+    }
 
 
 def twin_files(component: str) -> tuple[str, ...]:
-    """The files :func:`gaps` reads: those of the integration's targets and call sites."""
-    files = [module_path(t.module) for t in _targets(component)]
-    files += [c.path for c in CALL_SITES.get(component, ())]
-    return tuple(dict.fromkeys(files))
+    """The files :func:`gaps` reads: those of the integration's targets."""
+    return tuple(dict.fromkeys(module_path(t.module) for t in _targets(component)))
 
 
 def gaps(component: str, root: Path) -> list[str]:
@@ -194,6 +186,7 @@ def gaps(component: str, root: Path) -> list[str]:
     """
     out = []
     wrapped: set[_Site] = set()
+    decorators = _decorators(component)
     for t in _targets(component):
         found = definition(root, t.module, t.owner, t.attribute)
         if found is None:
@@ -206,7 +199,7 @@ def gaps(component: str, root: Path) -> list[str]:
             continue
         wrapped.add(site)
         label = f"{rel} {'.'.join(p for p in (owner, node.name) if p)}"
-        decorator = _decorator(component, site)
+        decorator = decorators.get(site)
         alias = f"_ess_{decorator}"
         if decorator is None or alias not in decorator_names(node):
             out.append(f"{label}: install() wraps it, the series does not")

@@ -144,7 +144,7 @@ def test_parser_rejects_a_bad_floor(fw, floor, clean_ess):
         parse_upstream_args(fw, [*MINIMAL_ARGV, "--use-ess-lr", "--ess-lr-floor", floor])
     assert info.value.code == 2
     assert "argument --ess-lr-floor" in stderr.getvalue()
-    assert ("outside (0, 1]" if floor != "abc" else "is not a number") in stderr.getvalue()
+    assert ("must be in (0, 1]" if floor != "abc" else "is not a number") in stderr.getvalue()
 
 
 @pytest.mark.parametrize("fw", _framework_params(FULL))

@@ -300,7 +300,7 @@ def test_a_host_without_a_hooked_symbol_fails_at_startup(installed, monkeypatch)
 def test_bad_floor_is_rejected_by_the_parser(installed, capsys):
     with pytest.raises(SystemExit):
         _parse(["--use-ess-lr", "--rl-inference-logprobs-is-correction", "--ess-lr-floor", "2"])
-    assert "outside (0, 1]" in capsys.readouterr().err
+    assert "must be in (0, 1]" in capsys.readouterr().err
 
 
 def test_parse_args_outside_megatron_rl_is_untouched(installed, monkeypatch):
