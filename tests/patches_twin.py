@@ -34,7 +34,7 @@ from megatron_cpu import (
 
 import ess_patch
 from ess_patch.install import INTEGRATIONS
-from ess_patch.vendored import is_vendored
+from ess_patch.patching import MISSING, VENDORED, target_status
 
 
 def _check_mode(mode: str) -> None:
@@ -42,10 +42,10 @@ def _check_mode(mode: str) -> None:
 
     marks = []
     for target in INTEGRATIONS["megatron"].targets:
-        owner = getattr(importlib.import_module(target.module), target.owner)
-        method = vars(owner).get(target.attribute)
-        if method is not None:
-            marks.append(is_vendored(method))
+        importlib.import_module(target.module)
+        status = target_status(target)
+        if status != MISSING:
+            marks.append(status == VENDORED)
     if mode == "vendored":
         assert marks and all(marks), "megatron on PYTHONPATH is not the patched copy"
         assert not ess_patch.is_installed()

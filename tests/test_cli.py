@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ess_patch import cli
+from ess_patch import cli, doctor
 
 ROOT = Path(cli.__file__).resolve().parents[1]
 
@@ -94,7 +94,7 @@ def test_out_cannot_be_created(capsys, tmp_path):
 
 
 def test_missing_extra_gives_an_install_hint_for_this_checkout(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_importable", lambda module: module != "matplotlib")
+    monkeypatch.setattr(doctor, "findable", lambda module: module != "matplotlib")
     err = _demo_error(capsys, "--quick")
     installed_from = Path(cli.__file__).resolve().parents[1]
     if (installed_from / "pyproject.toml").is_file():  # run from the checkout

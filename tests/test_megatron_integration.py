@@ -46,13 +46,13 @@ def _install():
     if not VENDORED:
         ess_patch.install("megatron")
         return
+    from ess_patch import patching
     from ess_patch.install import INTEGRATIONS
-    from ess_patch.vendored import is_vendored
 
     for target in INTEGRATIONS["megatron"].targets:
-        owner = getattr(importlib.import_module(target.module), target.owner)
-        method = vars(owner).get(target.attribute)
-        assert method is None or is_vendored(method), f"{target.path} is not patched"
+        importlib.import_module(target.module)
+        status = patching.target_status(target)
+        assert status in (patching.MISSING, patching.VENDORED), f"{target.path} is not patched"
     assert not ess_patch.is_installed()
 
 

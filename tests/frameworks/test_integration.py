@@ -52,8 +52,8 @@ def _install(integrations) -> None:
     if not VENDORED:
         ess_patch.install(integrations)
         return
+    from ess_patch import patching
     from ess_patch.install import INTEGRATIONS
-    from ess_patch.vendored import is_vendored
 
     names = [integrations] if isinstance(integrations, str) else list(integrations)
     seen = 0
@@ -61,13 +61,10 @@ def _install(integrations) -> None:
         for target in INTEGRATIONS[name].targets:
             if target.module not in sys.modules:
                 continue
-            owner = importlib.import_module(target.module)
-            for part in filter(None, target.owner.split(".")):
-                owner = getattr(owner, part)
-            value = vars(owner).get(target.attribute)
-            if value is None and not target.required:
+            status = patching.target_status(target)
+            if status == patching.MISSING and not target.required:
                 continue
-            assert is_vendored(value), f"{target.path} is not patched (vendored mode)"
+            assert status == patching.VENDORED, f"{target.path} is not patched (vendored mode)"
             seen += 1
     assert seen, f"vendored mode: no target of {names} is imported yet"
     assert not ess_patch.is_installed()

@@ -125,19 +125,16 @@ from upstream import skip_reason
 assert skip_reason("miles", "full") is None and skip_reason("slime", "full") is None
 import ess_patch
 from ess_patch.install import INTEGRATIONS
-from ess_patch.vendored import is_vendored
+from ess_patch.patching import MISSING, VENDORED, target_status
 marked = 0
 for name in ("megatron", "miles", "slime"):
     for module in INTEGRATIONS[name].modules:
         importlib.import_module(module)
     for t in INTEGRATIONS[name].targets:
-        owner = sys.modules[t.module]
-        for part in filter(None, t.owner.split(".")):
-            owner = getattr(owner, part)
-        value = vars(owner).get(t.attribute)
-        assert value is not None or not t.required, t.path
-        if value is not None:
-            assert is_vendored(value), t.path + " is not patched"
+        status = target_status(t)
+        assert status != MISSING or not t.required, t.path
+        if status != MISSING:
+            assert status == VENDORED, t.path + " is not patched"
             marked += 1
 # after the imports: miles and slime configure the root logger when imported
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s", force=True)
