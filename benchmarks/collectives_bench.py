@@ -25,7 +25,7 @@ from .common import table, use_test_helpers, verdict
 
 use_test_helpers()
 
-from test_reduction_dist import cp_local, dp_shard, make_batch  # noqa: E402
+from dist_helpers import cp_local, dp_shard, make_batch  # noqa: E402
 
 import ess_patch  # noqa: E402
 from ess_patch._launch import launch_ranks, layout  # noqa: E402
@@ -132,11 +132,13 @@ def rank_rollout(seed: int) -> dict:
 
 def rank_step_collectives() -> dict:
     """Collectives of one real Megatron ``optimizer.step()``: unpatched / disabled / armed."""
-    from megatron_cpu import batch, build_megatron_optimizer, cpu_shim, forward_backward
+    from megatron_cpu import batch, build_megatron_optimizer, forward_backward
+
+    from ess_patch.demo.cpu import megatron_on_cpu
 
     lay = layout()
     out = {}
-    with cpu_shim():
+    with megatron_on_cpu():
         setup = build_megatron_optimizer("dist_fp32", optimizer="adam", clip_grad=1.0)
         x, y = batch(lay.dp_rank, 0)
         for variant in ("unpatched", "disabled", "armed"):

@@ -16,7 +16,7 @@ TESTS = ROOT / "tests"
 
 
 def use_test_helpers() -> None:
-    """Make ``tests/`` importable (``megatron_cpu``, ``test_reduction_dist``)."""
+    """Make ``tests/`` importable (``megatron_cpu``, ``dist_helpers``)."""
     for path in (str(TESTS), str(ROOT)):
         if path not in sys.path:
             sys.path.insert(0, path)

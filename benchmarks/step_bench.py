@@ -24,12 +24,13 @@ import timeit
 import torch
 
 import ess_patch
+from ess_patch.demo.cpu import megatron_on_cpu
 
 from .common import OpCounter, fmt_ms, min_med, table, use_test_helpers, verdict
 
 use_test_helpers()
 
-from megatron_cpu import D_IN, batch, cpu_shim, forward_backward, megatron_world  # noqa: E402
+from megatron_cpu import D_IN, batch, forward_backward, megatron_world  # noqa: E402
 
 # "control" is unpatched again: its ratio to "unpatched" is the noise floor of the method.
 VARIANTS = ("unpatched", "control", "disabled", "enabled")
@@ -200,7 +201,7 @@ def run(repeats: dict[str, tuple[int, int]]) -> tuple[str, dict[str, bool]]:
     limit = {"disabled": 1.01, "enabled": 1.02}
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="ess-bench-"))
-        stack.enter_context(cpu_shim())
+        stack.enter_context(megatron_on_cpu())
         stack.enter_context(megatron_world(tmp))
         for kind, hidden, label in cases:
             rounds, steps = repeats[label]

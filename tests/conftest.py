@@ -9,9 +9,11 @@ import pytest
 def world(tmp_path):
     """gloo world of one + real megatron parallel_state, with the test-only CPU shim."""
     pytest.importorskip("megatron.core")
-    from megatron_cpu import cpu_shim, megatron_world
+    from megatron_cpu import megatron_world
 
-    with cpu_shim(), megatron_world(tmp_path):
+    from ess_patch.demo.cpu import megatron_on_cpu
+
+    with megatron_on_cpu(), megatron_world(tmp_path):
         yield
 
 

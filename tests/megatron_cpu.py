@@ -8,7 +8,7 @@ an LR-scaling wrapper can be checked against real parameter updates.
 
 Typical use (also inside a forkserver/spawn child: enter the shim in that process)::
 
-    with cpu_shim(), megatron_world(tmp_path):
+    with megatron_on_cpu(), megatron_world(tmp_path):
         setup = build_megatron_optimizer("dist_bf16", optimizer="adam")
         records = train_steps(setup, 3, data_seed=0)
 
@@ -40,8 +40,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ess_patch.demo.cpu import megatron_on_cpu
-
 __all__ = [
     "KINDS",
     "MegatronSetup",
@@ -49,7 +47,6 @@ __all__ = [
     "TinyNet",
     "batch",
     "build_megatron_optimizer",
-    "cpu_shim",
     "forward_backward",
     "inner_optimizers",
     "main_params",
@@ -59,15 +56,6 @@ __all__ = [
     "snapshots_equal",
     "train_steps",
 ]
-
-# --------------------------------------------------------------------------------------
-# CPU shim
-# --------------------------------------------------------------------------------------
-
-# The shim is the product's own (the demo needs it too): one copy, tested here through every
-# optimizer kind. See ess_patch/demo/cpu.py for what each piece is for.
-cpu_shim = megatron_on_cpu
-
 
 # --------------------------------------------------------------------------------------
 # Process groups
@@ -181,7 +169,7 @@ def build_megatron_optimizer(
 ) -> MegatronSetup:
     """Build DDP model chunk(s), the real megatron optimizer and an LR scheduler.
 
-    Call inside ``cpu_shim()`` and ``megatron_world(...)``. ``kind`` is one of ``KINDS``.
+    Call inside ``megatron_on_cpu()`` and ``megatron_world(...)``. ``kind`` is one of ``KINDS``.
     DistributedOptimizer kinds need ``optimizer="adam"`` (megatron asserts it).
     ``n_models`` > 1 gives several model chunks (virtual-pipeline style) under the same
     child optimizer(s). ``loss_scale`` (e.g. 1.0) gives bf16 / distributed kinds a

@@ -26,13 +26,13 @@ import torch
 from megatron_cpu import (
     KINDS,
     build_megatron_optimizer,
-    cpu_shim,
     megatron_world,
     snapshot,
     train_steps,
 )
 
 import ess_patch
+from ess_patch.demo.cpu import megatron_on_cpu
 from ess_patch.install import INTEGRATIONS
 from ess_patch.patching import MISSING, VENDORED, target_status
 
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     chunks: list[bytes] = []
-    with tempfile.TemporaryDirectory() as tmp, cpu_shim(), megatron_world(tmp):
+    with tempfile.TemporaryDirectory() as tmp, megatron_on_cpu(), megatron_world(tmp):
         _check_mode(args.mode)
         cases = [(kind, "adam", {}) for kind in KINDS]
         cases += [(kind, "sgd", {}) for kind in KINDS if "dist" not in kind]

@@ -92,29 +92,52 @@ def test_requested_values():
     assert requested({"ESS_PATCH_AUTO_INSTALL": "megatron,miles"}) == "megatron,miles"
 
 
+# How many ess-patch wrappers sit on FP32Optimizer.step (0: not patched; 1: patched once).
+_COUNT_WRAPS = """
+import megatron.core.optimizer.optimizer as m
+from ess_patch.patching import is_ours
+step, wraps = vars(m.FP32Optimizer)["step"], 0
+while is_ours(step):
+    step, wraps = step.__wrapped__, wraps + 1
+"""
+
+
 def test_megatron_init_hook_installs_once(clean_ess):
+    pytest.importorskip("megatron.core")
     import ess_patch
     from ess_patch.autoinstall import megatron_init
 
     megatron_init(object())
     assert ess_patch.is_installed()
+    targets = ess_patch.installed_targets()
     megatron_init(object())  # a second actor init in the same process: still installed, once
     assert ess_patch.is_installed()
+    assert ess_patch.installed_targets() == targets
+    found: dict = {}
+    exec(_COUNT_WRAPS, found)
+    assert found["wraps"] == 1
 
 
-_PTH_TWICE = f"""
+_PTH_TWICE = (
+    f"""
 line = open({str(Path(__file__).resolve().parents[1] / PTH)!r}).read()
 exec(line)
 exec(line)  # site reads a venv's site-packages twice
 import ess_patch
 print("INSTALLED", ess_patch.is_installed())
 """
+    + _COUNT_WRAPS
+    + """
+print("WRAPS", wraps)
+"""
+)
 
 
 def test_the_pth_running_twice_installs_once_and_says_nothing():
     proc = _probe("1", _PTH_TWICE)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "INSTALLED True" in proc.stdout
+    assert "WRAPS 1" in proc.stdout  # megatron imported afterwards: wrapped once, not twice
     assert "already installed" not in proc.stderr
     assert proc.stderr.strip() == "" or "Traceback" not in proc.stderr
 
@@ -125,6 +148,7 @@ def test_a_bad_ess_lr_value_is_one_clear_line_once():
     proc = _probe("1", _PTH_TWICE, {"ESS_LR_FLOOR": "5"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "INSTALLED False" in proc.stdout
+    assert "WRAPS 0" in proc.stdout
     errors = [line for line in proc.stderr.splitlines() if "ESS_PATCH_AUTO_INSTALL='1'" in line]
     assert len(errors) == 1, proc.stderr
     assert "EssLrConfig.floor='5' must be in (0, 1]" in errors[0]

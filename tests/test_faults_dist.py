@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from dist_helpers import cp_local, dp_shard, make_batch
 from harness import layout, run_ranks
-from test_reduction_dist import cp_local, dp_shard, make_batch
 
 import ess_patch
 from ess_patch.integrations.rl_hooks import Framework, Groups, arm_from_rollout

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dist_helpers import CollectiveCounter
 from harness import layout, run_ranks
-from megatron_cpu import batch, build_megatron_optimizer, cpu_shim, forward_backward, param_triples
-from test_reduction_dist import CollectiveCounter
+from megatron_cpu import batch, build_megatron_optimizer, forward_backward, param_triples
 
 import ess_patch
+from ess_patch.demo.cpu import megatron_on_cpu
 
 pytestmark = pytest.mark.dist
 
@@ -25,7 +26,13 @@ def _skewed_batch():
 
 def rank_pp_cycle():
     lay = layout()
-    with cpu_shim():
+    with megatron_on_cpu():
+        # the control: the same step of an unpatched optimizer, and the collectives it issues
+        plain = build_megatron_optimizer("multi_fp32", optimizer="sgd")
+        forward_backward(plain, *batch(lay.pp_rank, 0))
+        with CollectiveCounter() as counter:
+            plain.optimizer.step()
+        plain_collectives = [name for name, _ in counter.calls]
         ess_patch.install("megatron")
         setup = build_megatron_optimizer("multi_fp32", optimizer="sgd")
         result = None
@@ -50,6 +57,7 @@ def rank_pp_cycle():
         "exact": exact,
         "ratios": ratios,
         "step_collectives": step_collectives,
+        "plain_collectives": plain_collectives,
     }
 
 
@@ -63,5 +71,7 @@ def test_both_pipeline_stages_apply_the_last_stages_scale(tmp_path):
         # float32 sums: a loose check that reads well; "exact" above is the bitwise one
         assert r["ratios"] == pytest.approx([expected] * len(r["ratios"]), rel=1e-3)
     # the wrapper adds no collective to the step: megatron's own (grad-norm) ones only
+    for r in results:
+        assert r["step_collectives"] == r["plain_collectives"]
     assert results[0]["step_collectives"] == results[1]["step_collectives"]
     assert "broadcast" not in results[0]["step_collectives"]

@@ -159,8 +159,9 @@ def test_lr_restored_when_the_step_raises(monkeypatch):
     x, y = batch(0, 0)
     forward_backward(setup, x, y)
     before = [g["lr"] for g in setup.optimizer.param_groups]
-    params = [p.detach().clone() for _, p, _ in param_triples(setup.optimizer)]
+    params = [(g["lr"], p.detach().clone()) for g, p, _ in param_triples(setup.optimizer)]
     leaf = inner_optimizers(setup.optimizer)[1]
+    failing = {id(p) for g in leaf.optimizer.param_groups for p in g["params"]}
 
     def boom(*a, **k):
         raise RuntimeError("inner step failed")
@@ -170,6 +171,11 @@ def test_lr_restored_when_the_step_raises(monkeypatch):
         setup.optimizer.step()
     after = [g["lr"] for g in setup.optimizer.param_groups]
     assert all(a is b for a, b in zip(after, before))
+    # the failing leaf updated nothing; the leaf stepped before it did, at the scaled LR
+    assert failing and len(failing) < len(params)
+    for (lr, p0), (_, p1, _) in zip(params, param_triples(setup.optimizer)):
+        expected = p0 if id(p1) in failing else p0.add(p1.grad, alpha=-(lr * 0.5))
+        assert torch.equal(p1, expected)
     # and the next step (scheduler, then a working optimizer) continues from the true LR
     monkeypatch.undo()
     setup.scheduler.step(increment=1)

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared helpers
 from harness import run_ranks
 from reference import reference_ess
-from test_upstream_smoke import CP, DP, SHAPES, _local_batch, _rollout
+from rollouts import CP, DP, SHAPES, local_batch, rollout
 from upstream import MINIMAL_ARGV, miles_parallel_state, parse_upstream_args, skip_reason
 
 import ess_patch
@@ -245,7 +245,7 @@ def rank_advantage_hook(fw: str) -> dict:
         from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
     dp_rank = mpu.get_data_parallel_rank(with_context_parallel=False)
     dp_size = mpu.get_data_parallel_world_size(with_context_parallel=False)
-    _, batch = _local_batch(slice_log_prob_with_cp, dp_rank, dp_size)
+    _, batch = local_batch(slice_log_prob_with_cp, dp_rank, dp_size)
 
     with _upstream(loss, "compute_advantages_and_returns"):
         plain, plain_calls = _advantages(
@@ -284,7 +284,7 @@ def rank_advantage_hook(fw: str) -> dict:
 @pytest.mark.parametrize("fw", _framework_params(LOSS))
 def test_advantage_hook_arms_the_reference_scale_on_every_rank(fw, tmp_path):
     results = run_ranks(rank_advantage_hook, dp=DP, cp=CP, args=(fw,), tmp_path=tmp_path)
-    full = _rollout()
+    full = rollout()
     ref = reference_ess(
         [s["log_probs"] for s in full],
         [s["rollout_log_probs"] for s in full],
@@ -316,7 +316,7 @@ def test_advantage_hook_arms_the_reference_scale_on_every_rank(fw, tmp_path):
 
 
 def _one_rollout_batch() -> dict:
-    full = _rollout()
+    full = rollout()
     return {
         "log_probs": [s["log_probs"] for s in full],
         "rollout_log_probs": [s["rollout_log_probs"] for s in full],

@@ -19,61 +19,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for ``harness``
 from harness import run_ranks
+from rollouts import CP, DP, SHAPES, local_batch, rollout
 from upstream import miles_parallel_state, skip_reason
 
 MILES = skip_reason("miles", "loss")
 SLIME = skip_reason("slime", "loss")
-
-DP, CP = 2, 2
-
-# (prompt_length, response_length): the last ones are prompt-heavy, so with CP=2 one CP rank
-# holds none of their response tokens (C_i == 0), which the upstream code must tolerate.
-SHAPES = [(3, 9), (5, 4), (2, 13), (7, 6), (4, 1), (6, 11), (18, 2), (17, 3)]
-
-
-def _rollout(seed: int = 0) -> list[dict]:
-    """Full-length synthetic samples, identical in every process."""
-    gen = torch.Generator().manual_seed(seed)
-    samples = []
-    for i, (prompt, response) in enumerate(SHAPES):
-        mask = (torch.rand(response, generator=gen) > 0.25).int()
-        mask[0] = 1
-        rollout_lp = -torch.rand(response, generator=gen, dtype=torch.float32) * 2
-        train_lp = rollout_lp + 0.05 * torch.randn(response, generator=gen)
-        samples.append(
-            {
-                "total_length": prompt + response,
-                "response_length": response,
-                "loss_mask": mask,
-                "rollout_log_probs": rollout_lp,
-                "log_probs": train_lp,
-                "reward": float(i % 3) - 0.7 * (i % 2),
-            }
-        )
-    return samples
-
-
-def _local_batch(slice_log_prob, dp_rank: int, dp_size: int) -> tuple[list[int], dict]:
-    """This rank's rollout_data: its DP share, log-probs CP-sliced, masks full length."""
-    mine = [i for i in range(len(SHAPES)) if i % dp_size == dp_rank]
-    full = _rollout()
-    batch = {
-        "log_probs": [],
-        "rollout_log_probs": [],
-        "loss_masks": [],
-        "response_lengths": [],
-        "total_lengths": [],
-        "rewards": [],
-    }
-    for i in mine:
-        s = full[i]
-        for key in ("log_probs", "rollout_log_probs"):
-            batch[key].append(slice_log_prob(s[key], s["total_length"], s["response_length"]))
-        batch["loss_masks"].append(s["loss_mask"])
-        batch["response_lengths"].append(s["response_length"])
-        batch["total_lengths"].append(s["total_length"])
-        batch["rewards"].append(s["reward"])
-    return mine, batch
 
 
 def _run(compute, args: Namespace, batch: dict) -> dict:
@@ -95,7 +45,7 @@ def _miles_rank() -> dict:
 
     state = miles_parallel_state()
     dp = state.effective_dp
-    mine, batch = _local_batch(slice_log_prob_with_cp, dp.rank, dp.size)
+    mine, batch = local_batch(slice_log_prob_with_cp, dp.rank, dp.size)
     args = Namespace(
         advantage_estimator="grpo",
         kl_coef=0.0,
@@ -124,7 +74,7 @@ def _slime_rank() -> dict:
     from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
     from slime.backends.megatron_utils.loss import compute_advantages_and_returns
 
-    mine, batch = _local_batch(
+    mine, batch = local_batch(
         slice_log_prob_with_cp,
         mpu.get_data_parallel_rank(with_context_parallel=False),
         mpu.get_data_parallel_world_size(with_context_parallel=False),
@@ -177,7 +127,7 @@ def _whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def _check_plain_and_layout(results: list[dict]) -> None:
     """GRPO without normalisation: every local token of sample i carries reward_i, the local
     lengths are the zigzag slice lengths, and the CP ranks' slices tile the whole response."""
-    full = _rollout()
+    full = rollout()
     assert sorted(r["coords"] for r in results) == [(d, c) for d in range(DP) for c in range(CP)]
     covered: dict[int, list[int]] = {}
     for r in results:
@@ -200,7 +150,7 @@ def _check_plain_and_layout(results: list[dict]) -> None:
 
 
 def _local_masks(cp_rank: int, samples: list[int]) -> list[torch.Tensor]:
-    full = _rollout()
+    full = rollout()
     out = []
     for i in samples:
         s = full[i]
@@ -230,7 +180,7 @@ def _cp_slice(values: torch.Tensor, sample: dict, cp_rank: int) -> torch.Tensor:
 def test_miles_grpo_cp2_dp2(tmp_path):
     results = run_ranks(_miles_rank, dp=DP, cp=CP, tmp_path=tmp_path, timeout=120)
     _check_plain_and_layout(results)
-    full = _rollout()
+    full = rollout()
     for r in results:
         # effective_dp is DP without CP (indep_dp trivial).
         assert r["effective_dp"] == (r["coords"][0], DP)
@@ -269,7 +219,7 @@ def test_slime_grpo_cp2_dp2(tmp_path):
     _check_plain_and_layout(results)
     # slime whitens over DP *with* CP: one set of statistics over every token of the rollout,
     # i.e. the CP=1 answer, sliced.
-    full = _rollout()
+    full = rollout()
     ref = _global_whitened_reference(full)
     for r in results:
         cp_rank = r["coords"][1]
