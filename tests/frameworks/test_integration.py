@@ -32,6 +32,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared helpers
+from dist_helpers import CollectiveCounter
 from harness import run_ranks
 from reference import reference_ess
 from rollouts import CP, DP, SHAPES, local_batch, rollout
@@ -199,37 +200,11 @@ def _host_args(fw: str, use_ess_lr: bool) -> Namespace:
     return Namespace(**common, custom_advantage_function_path=None)
 
 
-class _Counter:
-    """Collectives issued, by name."""
-
-    def __init__(self):
-        self.names: list[str] = []
-
-    def __enter__(self):
-        import torch.distributed as dist
-
-        self._saved = {n: getattr(dist, n) for n in ("all_reduce", "all_gather", "broadcast")}
-        for name, original in self._saved.items():
-
-            def counted(*a, _n=name, _o=original, **k):
-                self.names.append(_n)
-                return _o(*a, **k)
-
-            setattr(dist, name, counted)
-        return self
-
-    def __exit__(self, *exc):
-        import torch.distributed as dist
-
-        for name, original in self._saved.items():
-            setattr(dist, name, original)
-
-
 def _advantages(compute, args, batch):
     data = {k: list(v) for k, v in batch.items()}
-    with _Counter() as counter:
+    with CollectiveCounter() as counter:
         compute(args, data)
-    return data["advantages"], counter.names
+    return data["advantages"], [name for name, _ in counter.calls]
 
 
 def rank_advantage_hook(fw: str) -> dict:
