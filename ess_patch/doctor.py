@@ -12,7 +12,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from .autoinstall import ENV as AUTO_ENV
@@ -90,11 +89,7 @@ def _versions(report: Report) -> None:
             )
         if dist == "megatron-core":
             supported = INTEGRATIONS["megatron"].supported
-            try:
-                ok = Version(found) in SpecifierSet(supported, prereleases=True)
-            except InvalidVersion:
-                ok = False
-            if not ok:
+            if not INTEGRATIONS["megatron"].supports(found):
                 report.problem(
                     section,
                     f"megatron-core {found} is outside the supported range "

@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 import wrapt
-from packaging.specifiers import SpecifierSet
-from packaging.version import InvalidVersion, Version
 
 from .config import EssLrConfig
 from .integrations import Integration
@@ -154,11 +152,7 @@ def _check_version(integration: Integration) -> None:
             integration.distribution,
         )
         return
-    try:
-        ok = Version(raw) in SpecifierSet(integration.supported, prereleases=True)
-    except InvalidVersion:
-        ok = False
-    if not ok:
+    if not integration.supports(raw):
         logger.warning(
             "ess-patch: %s %s is outside the supported range %s; patching it anyway, "
             "and a missing symbol will raise",

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
 from ..patching import Target
 
 __all__ = ["Integration"]
@@ -25,3 +28,10 @@ class Integration:
     @property
     def modules(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(t.module for t in self.targets))
+
+    def supports(self, version: str) -> bool:
+        """Whether ``version`` of :attr:`distribution` is in :attr:`supported`."""
+        try:
+            return Version(version) in SpecifierSet(self.supported, prereleases=True)
+        except InvalidVersion:
+            return False
