@@ -161,11 +161,11 @@ def _targets(component: str) -> tuple[Target, ...]:
 
 def _decorators(component: str) -> dict[_Site, str]:
     """The ``ess_patch.vendored`` decorator ``component``'s series put on each definition."""
-    return {
-        (module_path(t.module), t.owner, t.attribute): t.decorator
-        for t in _targets(component)
-        if t.decorator
-    }
+    from ..install import INTEGRATIONS
+    from ..vendored import call_sites
+
+    sites = call_sites(INTEGRATIONS[INTEGRATION_OF[component]])
+    return {(c.path, c.owner, c.function): c.decorator for c in sites}
 
 
 def twin_files(component: str) -> tuple[str, ...]:
