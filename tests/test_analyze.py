@@ -14,26 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import reference_ess
+from analyze_data import SIGMAS, check_against_reference, make_rollout
 
-from ess_patch.analyze import DumpError, analyze, default_settings
+from ess_patch.analyze import DumpError, analyze
 from ess_patch.cli import main
-
-SHAPES = [(3, 9), (5, 4), (2, 13), (7, 6), (4, 1), (6, 11), (18, 2), (17, 3)]
-
-
-def make_rollout(rid: int, sigma: float) -> list[dict]:
-    gen = torch.Generator().manual_seed(100 + rid)
-    out = []
-    for prompt, response in SHAPES:
-        mask = (torch.rand(response, generator=gen) > 0.25).int()
-        mask[0] = 1
-        rlp = -torch.rand(response, generator=gen) * 2
-        lp = rlp + sigma * torch.randn(response, generator=gen)
-        out.append(
-            {"total": prompt + response, "resp": response, "mask": mask, "rlp": rlp, "lp": lp}
-        )
-    return out
 
 
 def zigzag_indices(total: int, resp: int, cp_rank: int, cp: int) -> list[int]:
@@ -69,33 +53,12 @@ def write_per_rank(folder: Path, rid: int, samples: list[dict], *, dp=2, cp=2, l
             torch.save(payload, folder / f"{rid}_{rank}.pt")
 
 
-SIGMAS = [0.01, 0.1, 0.3, 0.6, 0.15, 1.2]
-
-
 @pytest.fixture
 def run_dir(tmp_path):
     d = tmp_path / "train_data"
     for rid, sigma in enumerate(SIGMAS):
         write_per_rank(d, rid, make_rollout(rid, sigma))
     return d
-
-
-def check_against_reference(rows, rollouts):
-    settings = default_settings()
-    assert len(rows) == len(rollouts) * len(settings)
-    for row in rows:
-        samples = rollouts[int(row["rollout_id"])]
-        ref = reference_ess(
-            [s["lp"] for s in samples],
-            [s["rlp"] for s in samples],
-            [s["mask"] for s in samples],
-            mode=row["weight_mode"],
-            rule=row["rule"],
-            floor=float(row["floor"]),
-        )
-        for key in ("rho", "ess", "scale"):
-            assert float(row[key]) == pytest.approx(ref[key], rel=1e-9, abs=1e-12), (row, key)
-        assert int(row["num_trajectories"]) == ref["num_trajectories"] == len(SHAPES)
 
 
 def test_per_rank_cp2_dp2_matches_the_float64_reference(run_dir, tmp_path):

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared helpers
+from analyze_data import SIGMAS, check_against_reference, make_rollout
 from harness import run_ranks
-from test_analyze import SIGMAS, check_against_reference, make_rollout
 from upstream import miles_parallel_state, skip_reason
 
 from ess_patch.analyze import analyze
