@@ -10,14 +10,9 @@ a site-packages folder, a Megatron-LM checkout. A series is applied whole or not
 first checked patch by patch on a scratch copy of the files it touches, and a failure while
 writing the real tree undoes what was written.
 
-Components are recognised by :data:`DETECTORS` (one function per component, returning a
-:class:`Tree` or None). megatron-core reads its version from ``megatron/core/package_info.py``
-(parsed, not imported) or from package metadata. miles and slime (series keyed by upstream
-commit) are told by the checkout's git HEAD, or, for a snapshot without git, by fingerprint:
-the git blob ids of the files a series touches, which the series itself records (the
-``index <before>..<after>`` lines of ``git format-patch --full-index``), match that commit's
-upstream files (pristine) or the patched ones. A tree matching neither gets ``version=None``:
-the series is then chosen by ``git apply --check`` alone.
+A tree is recognised by one detector per component (its version from the sources, git HEAD,
+or the blob-id fingerprint the series itself records: see ``trees``); a tree matching no
+known version gets ``version=None``, and the series is then chosen by ``git apply --check``.
 
 Modules (each imports only those above it):
 
