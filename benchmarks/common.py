@@ -27,6 +27,10 @@ class OpCounter(TorchDispatchMode):
     on a GPU; ops that only make views or metadata are counted too, so this is an upper
     bound on launches)."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # nothing is compiled here; True would import torch._dynamo (~5 s)
+
     def __init__(self):
         super().__init__()
         self.ops: Counter[str] = Counter()

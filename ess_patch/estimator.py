@@ -150,8 +150,8 @@ def _checked_layout(
     ``map``/``set`` over the tensors' sizes and dtypes cost ~0.3 us per trajectory, where
     :func:`validate_inputs`' per-sample Python loop costs ~7 us (half the estimator's time at
     50 tokens per trajectory). Only when a check fails does that loop run, to raise its error
-    naming the sample. Devices are left to the concatenations: a tensor on another device
-    than the first makes them raise, and the caller then runs the loop.
+    naming the sample. Devices are compared for the first sample only; the concatenations
+    raise on a later tensor on another device, and the caller then runs the loop.
     """
     seqs = (log_probs, rollout_log_probs, loss_masks)
     if any(isinstance(s, torch.Tensor) or not isinstance(s, Sequence) for s in seqs) or not (
@@ -168,10 +168,14 @@ def _checked_layout(
         ok = (
             lengths == list(map(_numel, rollout_log_probs)) == list(map(_numel, loss_masks))
             and all(s[i].dim() == 1 for s in seqs for i in probe)
+            and (
+                not lengths
+                or log_probs[0].device == rollout_log_probs[0].device == loss_masks[0].device
+            )
             and all(d.is_floating_point for d in types[0] | types[1])
             and not any(d.is_complex for d in types[2])
         )
-    except TypeError:
+    except (TypeError, AttributeError):  # not a tensor
         ok = False
     if not ok:
         validate_inputs(*seqs)  # raises, naming the sample
