@@ -257,7 +257,8 @@ def trajectory_stats(
         segment_sums == "auto" and device.type == "cpu" and _np is not None
     )
     try:
-        return _stats(log_probs, rollout_log_probs, loss_masks, layout, chunk_tokens, use_numpy)
+        with torch.no_grad():  # out= concatenations refuse inputs that require grad
+            return _stats(log_probs, rollout_log_probs, loss_masks, layout, chunk_tokens, use_numpy)
     except (RuntimeError, TypeError):
         # e.g. a tensor on another device: the per-sample checks name it; if they pass,
         # the error was not about the inputs' layout and is raised as it is

@@ -357,6 +357,15 @@ def test_requires_grad_inputs_build_no_autograd_graph():
     assert all(x.grad is None for x in lp)
 
 
+def test_trajectory_stats_called_directly_on_inputs_that_require_grad():
+    gen = torch.Generator().manual_seed(12)
+    lp, rlp, masks = _random_batch(gen, 8)
+    want = _stats_reference(lp, rlp, masks)
+    stats = estimator.trajectory_stats([x.requires_grad_(True) for x in lp], rlp, masks)
+    assert not stats.requires_grad
+    assert stats[:, 0].tolist() == pytest.approx([w[0] for w in want], rel=1e-12, abs=1e-12)
+
+
 def test_config_dict_is_a_clear_type_error():
     with pytest.raises(TypeError, match="EssLrConfig"):
         compute_ess_lr(*_batch([0.0, 1.0]), config={"weight_mode": "product"})
