@@ -27,6 +27,10 @@ class OpCounter(TorchDispatchMode):
     on a GPU; ops that only make views or metadata are counted too, so this is an upper
     bound on launches)."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # nothing is compiled here; True would import torch._dynamo (~5 s)
+
     def __init__(self):
         super().__init__()
         self.ops: Counter[str] = Counter()
@@ -47,16 +51,21 @@ def count_ops(fn: Callable[[], object]) -> int:
 
 
 def interleaved_times(
-    fns: dict[str, Callable[[], object]], repeats: int, *, warmup: int = 1
+    fns: dict[str, Callable[[], object]],
+    repeats: int,
+    *,
+    warmup: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, list[float]]:
-    """Wall times (s) of each function, run round-robin ``repeats`` times after ``warmup``
-    rounds, so that drift (frequency, other load) hits every variant alike."""
+    """Times (s, wall clock unless ``clock`` says otherwise) of each function, run
+    round-robin ``repeats`` times after ``warmup`` rounds, so that drift (frequency, other
+    load) hits every variant alike."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for rnd in range(warmup + repeats):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            start = clock()
             fn()
-            elapsed = time.perf_counter() - start
+            elapsed = clock() - start
             if rnd >= warmup:
                 times[name].append(elapsed)
     return times

@@ -9,8 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import reference_ess
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from ess_patch import EssLrConfig, NonFiniteLogProbError, compute_ess_lr
+from ess_patch import EssLrConfig, NonFiniteLogProbError, compute_ess_lr, estimator
 
 MODES = ("geometric", "product")
 
@@ -356,6 +357,15 @@ def test_requires_grad_inputs_build_no_autograd_graph():
     assert all(x.grad is None for x in lp)
 
 
+def test_trajectory_stats_called_directly_on_inputs_that_require_grad():
+    gen = torch.Generator().manual_seed(12)
+    lp, rlp, masks = _random_batch(gen, 8)
+    want = _stats_reference(lp, rlp, masks)
+    stats = estimator.trajectory_stats([x.requires_grad_(True) for x in lp], rlp, masks)
+    assert not stats.requires_grad
+    assert stats[:, 0].tolist() == pytest.approx([w[0] for w in want], rel=1e-12, abs=1e-12)
+
+
 def test_config_dict_is_a_clear_type_error():
     with pytest.raises(TypeError, match="EssLrConfig"):
         compute_ess_lr(*_batch([0.0, 1.0]), config={"weight_mode": "product"})
@@ -375,3 +385,204 @@ def test_arm_with_a_non_number_says_what_is_wrong():
     with pytest.raises(ValueError, match="LR scale 'x' is not a number"):
         ess_patch.arm("x")
     assert ess_patch.armed() is None
+
+
+# --- issue 18: the chunked CPU path and the one-group (device) path ---------------------------
+
+
+def _stats_reference(lp, rlp, masks):
+    """Per trajectory: fsum of the masked float64 differences, masked count, non-finite flag."""
+    rows = []
+    for x, y, k in zip(lp, rlp, masks, strict=True):
+        d = [float(a) - float(b) for a, b, m in zip(x.tolist(), y.tolist(), k.tolist()) if m != 0]
+        finite = all(math.isfinite(v) for v in d)
+        rows.append((math.fsum(d) if finite else 0.0, float(len(d)), 0.0 if finite else 1.0))
+    return rows
+
+
+def _awkward_batch(lp_dtype, rlp_dtype):
+    """Lengths 0..3000 (zero-length and all-masked trajectories, one longer than any group),
+    masked-out NaN/inf, masks of several dtypes with values other than 0/1."""
+    gen = torch.Generator().manual_seed(1818)
+    lengths = [0, 5, 3000, 0, 1, 17, 250, 0, 40, 999, 2, 0]
+    lp, rlp, masks = [], [], []
+    for i, n in enumerate(lengths):
+        base = -torch.rand(n, generator=gen, dtype=torch.float64) * 5
+        lp.append((base + torch.randn(n, generator=gen, dtype=torch.float64) * 0.3).to(lp_dtype))
+        rlp.append(base.to(rlp_dtype))
+        keep = torch.rand(n, generator=gen) > 0.2
+        if i == 5:
+            keep[:] = False  # all masked out
+        lp[-1][~keep] = float("nan") if i % 2 else float("inf")
+        rlp[-1][~keep] = float("-inf")
+        mask_dtype = (torch.bool, torch.int32, torch.float32, torch.int64)[i % 4]
+        masks.append(keep.to(mask_dtype) * (3 if mask_dtype == torch.int64 else 1))
+    return lp, rlp, masks
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 64, 1000, None])
+@pytest.mark.parametrize("segment_sums", ["numpy", "torch"])
+@pytest.mark.parametrize(
+    "dtypes",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float64, torch.float64),
+        (torch.float32, torch.bfloat16),
+    ],
+)
+def test_every_group_size_and_segment_sum_match_fsum(chunk_tokens, segment_sums, dtypes):
+    lp, rlp, masks = _awkward_batch(*dtypes)
+    stats = estimator.trajectory_stats(
+        lp, rlp, masks, chunk_tokens=chunk_tokens, segment_sums=segment_sums
+    )
+    assert stats.dtype == torch.float64 and stats.shape == (len(lp), 3)
+    for got, want in zip(stats.tolist(), _stats_reference(lp, rlp, masks), strict=True):
+        assert got[0] == pytest.approx(want[0], rel=1e-12, abs=1e-12)
+        assert got[1:] == list(want[1:])  # exact counts, no flag: masked-out NaN ignored
+        assert math.copysign(1.0, got[1]) == 1.0  # a count of zero is +0.0
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 64, None])
+def test_a_masked_in_nan_in_a_later_group_flags_its_trajectory(chunk_tokens):
+    lp, rlp, masks = _awkward_batch(torch.float32, torch.float32)
+    lp[9] = lp[9].clone()
+    lp[9][masks[9].nonzero()[-1, 0]] = float("nan")
+    stats = estimator.trajectory_stats(lp, rlp, masks, chunk_tokens=chunk_tokens)
+    flags = stats[:, 2].tolist()
+    assert flags == [1.0 if i == 9 else 0.0 for i in range(len(lp))]
+    assert stats[9, 0].item() == 0.0
+    with pytest.raises(NonFiniteLogProbError, match="sample index 9"):
+        compute_ess_lr(lp, rlp, masks)
+
+
+def test_a_nan_mask_in_a_later_group_is_rejected_naming_the_sample():
+    lp = [torch.zeros(50) for _ in range(6)]
+    masks = [torch.ones(50) for _ in range(6)]
+    masks[4] = masks[4].clone()
+    masks[4][7] = float("nan")
+    with pytest.raises(ValueError, match=r"loss_masks\[4\] holds NaN"):
+        estimator.trajectory_stats(lp, lp, masks, chunk_tokens=60)
+
+
+class _OpCount(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # nothing is compiled here; True would import torch._dynamo (~5 s)
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_one_group_path_dispatches_the_same_ops_whatever_b():
+    # the path a GPU takes (one group, torch segment sums): one kernel launch per op,
+    # so its op count must not grow with the number of trajectories
+    config = EssLrConfig()
+    counts = set()
+    for n in (3, 40, 500):
+        gen = torch.Generator().manual_seed(n)
+        batch = _random_batch(gen, n, max_len=200)
+        with _OpCount() as ops:
+            stats = estimator.trajectory_stats(*batch, chunk_tokens=None, segment_sums="torch")
+            estimator.finalize(estimator.combine(estimator.summarize(stats, config)), config)
+        counts.add(ops.count)
+    assert len(counts) == 1, counts
+
+
+def test_cpu_path_and_one_group_path_agree_at_scale():
+    gen = torch.Generator().manual_seed(5)
+    n = 300_000  # a few groups of CPU_CHUNK_TOKENS
+    base = -torch.rand(n, generator=gen) * 3
+    lengths = torch.randint(100, 2001, (400,), generator=gen)
+    lengths = lengths[lengths.cumsum(0) <= n].tolist()
+    lengths.append(n - sum(lengths))
+    lp = list((base + torch.randn(n, generator=gen) * 0.05).split(lengths))
+    rlp = list(base.split(lengths))
+    masks = list((torch.rand(n, generator=gen) > 0.1).split(lengths))
+    cpu = estimator.trajectory_stats(lp, rlp, masks)
+    one = estimator.trajectory_stats(lp, rlp, masks, chunk_tokens=None, segment_sums="torch")
+    assert torch.equal(cpu[:, 1:], one[:, 1:])
+    torch.testing.assert_close(cpu[:, 0], one[:, 0], rtol=1e-12, atol=1e-12)
+
+
+BAD_LAYOUTS = {
+    "the first sample on two devices": (
+        lambda b: (b[0], [b[1][0].to("meta"), *b[1][1:]], b[2]),
+        ValueError,
+        r"sample 0: log_probs on cpu, rollout_log_probs on meta",
+    ),
+    "every rollout tensor 2-D": (
+        lambda b: (b[0], [t.reshape(1, -1) for t in b[1]], b[2]),
+        ValueError,
+        r"rollout_log_probs\[0\] has shape \(1, 1\)",
+    ),
+    "2-D after an empty 1-D": (
+        lambda b: (
+            [torch.zeros(0), torch.zeros(1, 1)],
+            [torch.zeros(0), torch.zeros(1, 1)],
+            [torch.ones(0), torch.ones(1, 1)],
+        ),
+        ValueError,
+        r"log_probs\[1\] has shape \(1, 1\)",
+    ),
+    "0-d tensor": (
+        lambda b: (b[0], b[1], [b[2][0], torch.tensor(1.0), b[2][2]]),
+        ValueError,
+        r"loss_masks\[1\] has shape \(\)",
+    ),
+    "integer log-probs among floats": (
+        lambda b: ([b[0][0], b[0][1].long(), b[0][2]], b[1], b[2]),
+        TypeError,
+        r"log_probs\[1\].*floating",
+    ),
+    "a list of floats as a mask": (
+        lambda b: (b[0], b[1], [b[2][0], [1.0], b[2][2]]),
+        TypeError,
+        r"loss_masks\[1\] is a list",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_LAYOUTS))
+@pytest.mark.parametrize("chunk_tokens", [1, None])
+def test_bad_layouts_raise_the_per_sample_error(case, chunk_tokens):
+    make, exc, pattern = BAD_LAYOUTS[case]
+    batch = _batch([0.0, 0.1, 0.2])
+    before = [[t.clone() for t in seq] for seq in batch]
+    with pytest.raises(exc, match=pattern):
+        estimator.trajectory_stats(*make(batch), chunk_tokens=chunk_tokens)
+    with pytest.raises(exc, match=pattern):
+        compute_ess_lr(*make(batch))
+    for seq, saved in zip(batch, before, strict=True):
+        for t, s in zip(seq, saved, strict=True):
+            assert torch.equal(t, s)  # inputs untouched
+
+
+@pytest.mark.slow  # the first CPU/meta concatenation imports torch's meta kernels (~5 s)
+def test_a_later_sample_on_another_device_is_named():
+    lp, rlp, masks = _batch([0.0, 0.1, 0.2])
+    rlp[2] = rlp[2].to("meta")
+    with pytest.raises(ValueError, match=r"sample 2: log_probs on cpu, rollout_log_probs on meta"):
+        estimator.trajectory_stats(lp, rlp, masks)
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        ({"chunk_tokens": 0}, "chunk_tokens must be a positive int"),
+        ({"chunk_tokens": "big"}, "chunk_tokens must be a positive int"),
+        ({"segment_sums": "scipy"}, "segment_sums must be 'auto', 'numpy' or 'torch'"),
+        ({"segment_sums": "numpy"}, "needs numpy installed and CPU tensors"),
+    ],
+)
+def test_bad_trajectory_stats_options_are_named(kwargs, pattern):
+    batch = _batch([0.0, 0.1])
+    if kwargs.get("segment_sums") == "numpy":
+        batch = tuple([t.to("meta") for t in seq] for seq in batch)
+    with pytest.raises(ValueError, match=pattern):
+        estimator.trajectory_stats(*batch, **kwargs)
