@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from .integrations import megatron_rl as _megatron_rl
 from .integrations import miles as _miles
 from .integrations import slime as _slime
 from .integrations.miles import MILES_FRAMEWORK
@@ -24,6 +25,11 @@ __all__ = [
     "VENDORED_MARK",
     "CallSite",
     "is_vendored",
+    "megatron_rl_align",
+    "megatron_rl_log_metrics",
+    "megatron_rl_packed_stats",
+    "megatron_rl_parse_args",
+    "megatron_rl_prepare",
     "miles_advantages",
     "miles_fsdp_train_core",
     "miles_log_train_step",
@@ -92,6 +98,17 @@ slime_parse_args = _function_hook(parse_args_wrapper(SLIME_FRAMEWORK))
 slime_advantages = _function_hook(advantage_wrapper(SLIME_FRAMEWORK))
 #: slime ``observability/logging_utils.py``: on ``log``.
 slime_log = _function_hook(_slime.log_wrapper)
+#: Megatron-LM ``megatron/training/arguments.py``: on ``parse_args`` (Megatron-RL runs only).
+megatron_rl_parse_args = _function_hook(_megatron_rl.parse_args_wrapper)
+#: Megatron-LM ``megatron/rl/rl_utils.py``: on ``prepare_data_for_update``.
+megatron_rl_prepare = _function_hook(_megatron_rl.prepare_wrapper)
+#: Megatron-LM ``megatron/rl/rl_utils.py``: on ``align_unpacked_inference_logprobs``.
+megatron_rl_align = _function_hook(_megatron_rl.align_wrapper)
+#: Megatron-LM ``megatron/rl/sequence_packing_utils.py``: on
+#: ``compute_packed_inference_logprobs_stats``.
+megatron_rl_packed_stats = _function_hook(_megatron_rl.packed_stats_wrapper)
+#: Megatron-LM ``megatron/rl/rl_utils.py``: on ``maybe_log_training_metrics``.
+megatron_rl_log_metrics = _function_hook(_megatron_rl.log_metrics_wrapper)
 
 
 def is_vendored(obj: Any) -> bool:
@@ -157,5 +174,27 @@ CALL_SITES: dict[str, tuple[CallSite, ...]] = {
             "slime_advantages",
         ),
         CallSite("slime/observability/logging_utils.py", "", "log", "slime_log"),
+    ),
+    "megatron_rl": (
+        CallSite("megatron/training/arguments.py", "", "parse_args", "megatron_rl_parse_args"),
+        CallSite("megatron/rl/rl_utils.py", "", "prepare_data_for_update", "megatron_rl_prepare"),
+        CallSite(
+            "megatron/rl/rl_utils.py",
+            "",
+            "align_unpacked_inference_logprobs",
+            "megatron_rl_align",
+        ),
+        CallSite(
+            "megatron/rl/sequence_packing_utils.py",
+            "",
+            "compute_packed_inference_logprobs_stats",
+            "megatron_rl_packed_stats",
+        ),
+        CallSite(
+            "megatron/rl/rl_utils.py",
+            "",
+            "maybe_log_training_metrics",
+            "megatron_rl_log_metrics",
+        ),
     ),
 }

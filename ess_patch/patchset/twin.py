@@ -155,7 +155,12 @@ _MEGATRON_DECORATOR = "optimizer_step"
 #: The name the megatron-core series import it as (tools/megatron_core_series.py uses it).
 VENDORED_DECORATOR = f"_ess_{_MEGATRON_DECORATOR}"
 #: A ``patches/`` component -> the ``install()`` integration whose targets its series decorate.
-INTEGRATION_OF = {"megatron-core": "megatron", "miles": "miles", "slime": "slime"}
+INTEGRATION_OF = {
+    "megatron-core": "megatron",
+    "miles": "miles",
+    "slime": "slime",
+    "megatron_rl": "megatron_rl",
+}
 
 _Site = tuple[str, str, str]  # (file, owner or "", function): where a definition is
 
