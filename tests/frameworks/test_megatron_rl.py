@@ -497,3 +497,27 @@ def test_disabled_the_real_align_arms_nothing_and_changes_nothing(installed):
         )
     assert installed.armed() is None
     assert torch.equal(padded, plain)
+
+
+def test_doctor_knows_megatron_rl(installed, monkeypatch):
+    from megatron.rl import rl_utils
+
+    from ess_patch.doctor import collect
+    from ess_patch.install import INTEGRATIONS
+
+    report = collect()
+    versions = report.sections["versions"]
+    assert any(line.startswith("megatron.rl") and "importable from" in line for line in versions)
+    [section] = [k for k in report.sections if k.startswith("targets: megatron_rl (")]
+    lines = report.sections[section]
+    state = "vendored diff applied" if VENDORED else "wrapped by install() in this process"
+    for target in INTEGRATIONS["megatron_rl"].targets:
+        assert any(line.startswith(f"ok {target.path}: {state}") for line in lines), target.path
+    assert not [p for p in report.problems if "megatron.rl" in p or "megatron.training" in p]
+    # a host without a hooked function is a problem naming it and the supported range
+    monkeypatch.delattr(rl_utils, "maybe_log_training_metrics")
+    problems = collect().problems
+    assert "megatron.rl.rl_utils.maybe_log_training_metrics is missing; supported: " in (
+        " ".join(problems)
+    )
+    assert "core_v0.16" in " ".join(problems)
