@@ -141,8 +141,13 @@ def rank_unpacked(bad: str = "") -> dict:
     import ess_patch
     from ess_patch.demo.cpu import megatron_on_cpu
 
-    _set_host_args()
+    if bad == "shadow":  # --ess-lr-shadow instead of --use-ess-lr
+        _set_host_args(use_ess_lr=False, ess_lr_shadow=True)
+    else:
+        _set_host_args()
     from megatron.rl import rl_utils
+
+    from ess_patch.state import STATE
 
     _install()
     mine = _my_trajectories(_global_batch())
@@ -168,12 +173,33 @@ def rank_unpacked(bad: str = "") -> dict:
     plain = rl_utils.align_unpacked_inference_logprobs.__wrapped__(
         inference, old, gen_masks, SimpleNamespace()
     )
+    if bad == "shadow":
+        tb = _Writer()
+        stats.mean_reward = 0.5  # what the tensorboard branch reads besides ours
+        rl_utils.maybe_log_training_metrics(stats, 5, None, [], wandb_writer=None, tb_writer=tb)
+        r = STATE.shadow
+        return {
+            "result": (r.scale, r.rho, r.status, r.num_trajectories),
+            "armed": ess_patch.armed(),
+            "logged": {k: v for k, v, _ in tb.scalars},
+            "same_output": torch.equal(padded, plain),
+        }
     r = ess_patch.armed()
     return {
         "result": (r.scale, r.rho, r.status, r.num_trajectories),
         "same_output": torch.equal(padded, plain),
         "upstream_stat": stats.mean_piold_to_inf_prob,
     }
+
+
+class _Writer:
+    """A tensorboard writer's ``add_scalar``, kept in memory (inside gloo ranks)."""
+
+    def __init__(self):
+        self.scalars: list[tuple[str, float, int]] = []
+
+    def add_scalar(self, key, value, step):
+        self.scalars.append((key, value, step))
 
 
 def _check_reference(results: list[dict]) -> None:
@@ -194,6 +220,20 @@ def test_unpacked_arms_the_reference_scale_on_every_rank(cp, pp, tmp_path):
     _check_reference(results)
     assert all(r["same_output"] for r in results)  # upstream's own output untouched
     assert all(r["upstream_stat"] is not None for r in results)
+
+
+@pytest.mark.dist
+def test_shadow_mode_computes_and_logs_the_reference_but_arms_nothing(tmp_path):
+    results = run_ranks(
+        rank_unpacked, dp=DP, cp=2, args=("shadow",), tmp_path=tmp_path, timeout=120
+    )
+    _check_reference(results)  # the same ESS, the same collectives as --use-ess-lr
+    ref = _reference(_global_batch(), mode="product")
+    for r in results:
+        assert r["armed"] is None and r["same_output"]  # never an LR change
+        assert "lr_scale" not in r["logged"]
+        assert r["logged"]["ess_lr_shadow_scale"] == pytest.approx(ref["scale"], rel=1e-6)
+        assert r["logged"]["rho_ess"] == pytest.approx(ref["rho"], rel=1e-6)
 
 
 @pytest.mark.dist
@@ -342,6 +382,15 @@ def test_no_inference_logprobs_is_a_startup_error(installed):
     with pytest.raises(ValueError, match="--rl-inference-logprobs-is-correction"):
         _parse(["--use-ess-lr"])
     assert _parse(["--use-ess-lr", "--rl-partial-rollouts"]).use_ess_lr
+
+
+def test_shadow_flag_is_parsed_and_checked_like_use_ess_lr(installed):
+    args = _parse(["--ess-lr-shadow", "--rl-inference-logprobs-is-correction"])
+    assert args.ess_lr_shadow is True and args.use_ess_lr is False
+    with pytest.raises(ValueError, match="--ess-lr-shadow needs.*inference-logprobs"):
+        _parse(["--ess-lr-shadow"])
+    with pytest.raises(ValueError, match="are both on"):
+        _parse(["--use-ess-lr", "--ess-lr-shadow", "--rl-inference-logprobs-is-correction"])
 
 
 def test_a_host_without_a_hooked_symbol_fails_at_startup(installed, monkeypatch):
