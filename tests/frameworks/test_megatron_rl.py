@@ -222,6 +222,65 @@ def test_unpacked_arms_the_reference_scale_on_every_rank(cp, pp, tmp_path):
     assert all(r["upstream_stat"] is not None for r in results)
 
 
+def rank_steps() -> dict:
+    """One collection (the real align arms its ESS), then two optimizer steps of a real
+    megatron-core optimizer with Megatron's scheduler after each, as ``train_step`` does; then
+    the next collection starts. The LRs the torch optimizer sees inside each step are kept."""
+    from megatron_cpu import batch, build_megatron_optimizer, forward_backward, inner_optimizers
+
+    import ess_patch
+    from ess_patch.demo.cpu import megatron_on_cpu
+    from ess_patch.integrations import megatron_rl
+
+    _set_host_args()
+    from megatron.rl import rl_utils
+
+    if VENDORED:  # the megatron_rl diff does not cover the optimizers: install("megatron")
+        _install()
+        ess_patch.install("megatron")
+    else:
+        ess_patch.install(["megatron", "megatron_rl"])
+    mine = _my_trajectories(_global_batch())
+    with megatron_on_cpu():
+        rl_utils.align_unpacked_inference_logprobs(
+            [t["inf"] for t in mine],
+            torch.stack([t["old"] for t in mine]),
+            torch.stack([t["gen_mask"] for t in mine]),
+            SimpleNamespace(),
+        )
+        scale = ess_patch.armed().scale
+        setup = build_megatron_optimizer("fp32", optimizer="adam")
+        seen: list[list[float]] = []
+        for child in inner_optimizers(setup.optimizer):
+            child.optimizer.register_step_pre_hook(
+                lambda opt, *_: seen.append([g["lr"] for g in opt.param_groups])
+            )
+        steps = []
+        for i in range(2):  # two optimizer steps in one collection
+            scheduled = [g["lr"] for g in setup.optimizer.param_groups]
+            forward_backward(setup, *batch(0, i))
+            setup.optimizer.step()
+            after_step = [g["lr"] for g in setup.optimizer.param_groups]
+            setup.scheduler.step(increment=1)
+            steps.append((scheduled, seen[-1], after_step))
+    # the next collection: nothing carried over, even before it arms its own
+    megatron_rl.prepare_wrapper(lambda: None, None, (), {})
+    return {"scale": scale, "steps": steps, "armed_after": ess_patch.armed()}
+
+
+@pytest.mark.dist
+def test_every_optimizer_step_of_the_collection_is_scaled_and_restored(tmp_path):
+    results = run_ranks(rank_steps, dp=DP, tmp_path=tmp_path, timeout=120)
+    ref = _reference(_global_batch(), mode="product")
+    for r in results:
+        assert r["scale"] == pytest.approx(ref["scale"], rel=1e-6) and r["scale"] < 0.95
+        for scheduled, inside, after in r["steps"]:
+            assert inside == pytest.approx([lr * r["scale"] for lr in scheduled], rel=1e-12)
+            assert after == scheduled  # restored before the scheduler runs
+        assert r["steps"][0][0] != r["steps"][1][0]  # the scheduler moved the LR in between
+        assert r["armed_after"] is None
+
+
 @pytest.mark.dist
 def test_shadow_mode_computes_and_logs_the_reference_but_arms_nothing(tmp_path):
     results = run_ranks(
