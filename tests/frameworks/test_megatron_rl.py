@@ -6,17 +6,24 @@
 - the real ``align_unpacked_inference_logprobs`` (unpacked) and the real packing path
   (``pack_all_trajectories`` -> ``pack_inference_logprobs`` ->
   ``compute_packed_inference_logprobs_stats``) in a gloo world (DP2 x CP2, and DP2 x PP2)
-  arm on every rank the float64 reference scale of all ranks' trajectories;
-- the real ``maybe_log_training_metrics`` hands the metrics to the writers;
-- bad input (no inference log-probs, mismatched shapes) is an error on every rank, nothing armed.
+  arm on every rank the float64 reference scale of all ranks' trajectories; every optimizer
+  step of a real megatron-core optimizer in that collection is scaled by it, and the LRs are
+  restored before the scheduler; the next collection drops it; disabled, nothing changes;
+  ``--ess-lr-shadow`` computes and logs the same result and arms nothing;
+- the real ``maybe_log_training_metrics`` hands the metrics to a real tensorboard writer and
+  wandb's tables, beside Megatron-RL's own, at its step;
+- bad input (no inference log-probs, mismatched shapes, unpacked and packed) is an error on
+  every rank, nothing armed; ``ess-patch doctor`` lists the megatron_rl targets.
 
 With ``ESS_PATCH_TEST_MODE=vendored`` the same tests run against a copy of the tree patched
 with ``patches/megatron_rl`` (``MEGATRON_RL_SRC`` pointing at it) and never call ``install()``:
 where a test would install, it checks that every target it can see carries the diff's call
-site instead. tests/frameworks/test_vendored_frameworks.py runs it that way.
+site instead (the optimizers still get ``install("megatron")``: that diff does not cover
+them). tests/frameworks/test_vendored_frameworks.py runs it that way.
 
-Nothing is stubbed: on CPU, ``megatron.rl.rl_utils`` imports with the packages of
-``requirements-full.txt`` (tensorboard included); ``.cuda()`` goes through the demo's CPU shim.
+Nothing is stubbed at import: on CPU, ``megatron.rl.rl_utils`` imports with the packages of
+``requirements-full.txt`` (tensorboard included); ``.cuda()`` goes through the demo's CPU shim;
+the packed path's timers and NVTX ranges (CUDA-only, they only time) are no-ops at run time.
 """
 
 from __future__ import annotations
