@@ -407,7 +407,8 @@ def test_mismatched_packed_shapes_are_an_error_on_every_rank(tmp_path):
 @pytest.fixture
 def installed():
     import megatron.rl.rl_utils
-    import megatron.training.arguments  # noqa: F401
+    import megatron.training.arguments
+    import megatron.training.initialize  # noqa: F401  (before install: its by-name copy)
 
     import ess_patch
 
@@ -442,6 +443,25 @@ def test_flags_through_megatrons_parse_args_with_a_user_provider(installed):
     assert args.ess_lr_weight_mode == "geometric"
     plain = _parse([])
     assert plain.use_ess_lr is False
+
+
+def test_initialize_megatron_parses_through_the_hook(installed):
+    """``initialize_megatron`` (what ``pretrain`` runs for ``train_rl.py``) calls the name it
+    imported, positionally: ``parse_args(extra_args_provider, ignore_unknown_args)``."""
+    import megatron.rl.rl_utils  # noqa: F401
+    from megatron.training import initialize
+
+    def user(parser):
+        parser.add_argument("--my-flag", type=int, default=7)
+        return parser
+
+    old = sys.argv
+    sys.argv = ["train_rl.py", "--use-ess-lr", "--rl-partial-rollouts", "--my-flag", "3"]
+    try:
+        args = initialize.parse_args(user, False)
+    finally:
+        sys.argv = old
+    assert args.use_ess_lr and args.my_flag == 3 and args.ess_lr_floor == 0.1
 
 
 def test_no_inference_logprobs_is_a_startup_error(installed):
