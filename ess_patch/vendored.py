@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .integrations import Integration
+from .integrations import megatron_rl as _megatron_rl
 from .integrations import miles as _miles
 from .integrations import slime as _slime
+from .integrations.megatron_rl import MEGATRON_RL
 from .integrations.miles import MILES, MILES_FRAMEWORK
 from .integrations.rl_hooks import advantage_wrapper, parse_args_wrapper
 from .integrations.slime import SLIME, SLIME_FRAMEWORK
@@ -27,6 +29,11 @@ __all__ = [
     "CallSite",
     "call_sites",
     "is_vendored",
+    "megatron_rl_align",
+    "megatron_rl_log_metrics",
+    "megatron_rl_packed_stats",
+    "megatron_rl_parse_args",
+    "megatron_rl_prepare",
     "miles_advantages",
     "miles_fsdp_train_core",
     "miles_log_train_step",
@@ -84,6 +91,17 @@ slime_parse_args = _function_hook(parse_args_wrapper(SLIME_FRAMEWORK))
 slime_advantages = _function_hook(advantage_wrapper(SLIME_FRAMEWORK))
 #: slime ``observability/logging_utils.py``: on ``log``.
 slime_log = _function_hook(_slime.log_wrapper)
+#: Megatron-LM ``megatron/training/arguments.py``: on ``parse_args`` (Megatron-RL runs only).
+megatron_rl_parse_args = _function_hook(_megatron_rl.parse_args_wrapper)
+#: Megatron-LM ``megatron/rl/rl_utils.py``: on ``prepare_data_for_update``.
+megatron_rl_prepare = _function_hook(_megatron_rl.prepare_wrapper)
+#: Megatron-LM ``megatron/rl/rl_utils.py``: on ``align_unpacked_inference_logprobs``.
+megatron_rl_align = _function_hook(_megatron_rl.align_wrapper)
+#: Megatron-LM ``megatron/rl/sequence_packing_utils.py``: on
+#: ``compute_packed_inference_logprobs_stats``.
+megatron_rl_packed_stats = _function_hook(_megatron_rl.packed_stats_wrapper)
+#: Megatron-LM ``megatron/rl/rl_utils.py``: on ``maybe_log_training_metrics``.
+megatron_rl_log_metrics = _function_hook(_megatron_rl.log_metrics_wrapper)
 
 
 @dataclass(frozen=True)
@@ -122,4 +140,6 @@ def call_sites(integration: Integration) -> tuple[CallSite, ...]:
 
 #: Per framework, its call sites: tools/framework_series.py writes the diffs from this
 #: table; ``ess_patch.patchset`` checks them against install().
-CALL_SITES: dict[str, tuple[CallSite, ...]] = {i.name: call_sites(i) for i in (MILES, SLIME)}
+CALL_SITES: dict[str, tuple[CallSite, ...]] = {
+    i.name: call_sites(i) for i in (MILES, SLIME, MEGATRON_RL)
+}

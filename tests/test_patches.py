@@ -30,6 +30,7 @@ import builtins
 import dataclasses
 import hashlib
 import importlib.metadata
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -456,6 +457,11 @@ class Snapshot:
     touched: tuple[str, ...]
     moved: tuple[tuple[str, str], ...] = ()
     pending_gaps: tuple[str, ...] = ()
+    package: str = ""  # the package folder the detector looks for (default: the component)
+
+    @property
+    def marker(self) -> str:
+        return f"{self.package or self.component}/__init__.py"
 
     def sites(self) -> list:
         moved = dict(self.moved)
@@ -506,12 +512,24 @@ FRAMEWORKS = {
             "slime.observability.logging_utils.log: install() wraps it, but it is not in the tree",
         ),
     ),
+    # Megatron-LM's own RL loop (NVIDIA Megatron-LM, tag core_v0.16.1)
+    "megatron_rl": Snapshot(
+        "megatron_rl",
+        "MEGATRON_RL_SRC",
+        "55ac7082517c3878ae653c07c09c534b8aed49f6",
+        (
+            "megatron/training/arguments.py",
+            "megatron/rl/rl_utils.py",
+            "megatron/rl/sequence_packing_utils.py",
+        ),
+        package="megatron/rl",
+    ),
 }
 
 
 def _snapshot_skip(name: str) -> str | None:
     snap = FRAMEWORKS[name]
-    return missing_snapshot(snap.env, snap.component, f"{snap.component}/__init__.py")
+    return missing_snapshot(snap.env, snap.component, snap.marker)
 
 
 def _framework_params():
@@ -688,3 +706,25 @@ def test_framework_commit_is_selectable_and_a_git_checkout_is_recognised(snapsho
     assert _cli(capsys, "apply", "--target", str(tree), *snap.pick())[0] == 0
     assert _cli(capsys, "revert", "--target", str(tree))[0] == 0
     assert _git(tree, "status", "--porcelain") == ""
+
+
+_MRL_SKIP = _snapshot_skip("megatron_rl")
+
+
+@pytest.mark.skipif(bool(_MRL_SKIP), reason=_MRL_SKIP or "")
+def test_a_megatron_lm_checkout_holds_two_components_and_each_is_named(tmp_path, capsys):
+    """A full Megatron-LM checkout has megatron/core (the megatron-core series) and megatron/rl
+    (the megatron_rl series): asked to guess, the tool names both and changes nothing."""
+    tree = tmp_path / "Megatron-LM"
+    shutil.copytree(os.environ["MEGATRON_RL_SRC"], tree)
+    core = Path(importlib.util.find_spec("megatron.core").origin).parent
+    (tree / "megatron" / "core").mkdir()
+    for name in ("__init__.py", "package_info.py"):
+        shutil.copy(core / name, tree / "megatron" / "core" / name)
+    before = _tree_hashes(tree)
+    rc, _, err = _cli(capsys, "apply", "--target", str(tree))
+    assert rc == 1 and "several components (megatron-core, megatron_rl)" in err, err
+    assert "--component" in err and _tree_hashes(tree) == before
+    assert patchset.detect(tree, "megatron-core").version == VERSION
+    rc, out, _ = _cli(capsys, "apply", "--target", str(tree), "--component", "megatron_rl")
+    assert rc == 0 and "series: megatron_rl/55ac70825" in out and "applied 1 patch" in out, out

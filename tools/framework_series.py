@@ -1,9 +1,10 @@
-"""Generate the miles or slime patch series for one upstream commit (maintainer tool).
+"""Generate the miles, slime or Megatron-RL patch series for one upstream commit (maintainer tool).
 
     python tools/framework_series.py --component miles --tree DIR --commit HASH \\
         [--out patches/miles/<short hash>] [--moved FROM=TO ...]
 
-DIR holds ``miles/`` (or ``slime/``): a checkout or a snapshot without git. HASH is the full
+DIR holds ``miles/`` (or ``slime/``, or Megatron-LM's ``megatron/rl`` for ``megatron_rl``): a
+checkout or a snapshot without git. HASH is the full
 commit, or the 9+ digits a snapshot without git is known by (the series folder takes the
 first 9). The call sites are ``ess_patch.vendored.CALL_SITES[component]``, per snapshot:
 ``--moved FROM=TO`` says that this snapshot defines FROM's call site in the file TO (slime
@@ -102,6 +103,22 @@ WHY = {
   Megatron's CP, DP-without-CP and PP groups, armed as the LR scale of
   the rollout's optimizer steps (the advantages are untouched);
 - log: train/lr_scale, train/rho_ess, ... in the train/step record.""",
+    "megatron_rl": """\
+- parse_args: in a Megatron-RL run (megatron.rl.rl_utils imported, as
+  train_rl.py does), the --use-ess-lr / --ess-lr-* flags, composed after
+  the caller's extra_args_provider, their validation, and a start-up
+  error when the run keeps no inference log-probs; any other caller
+  (miles, slime) parses as before;
+- prepare_data_for_update: a new rollout collection drops the last one's
+  scale (and says so when it arms none);
+- align_unpacked_inference_logprobs (unpacked) and
+  compute_packed_inference_logprobs_stats (sequence packing, one
+  trajectory per packed sequence): the collection's ESS from the same old
+  and inference log-probs Megatron-RL's own statistics use, over DP
+  without CP, broadcast over PP, armed as the LR scale of every optimizer
+  step until the next collection (their outputs are untouched);
+- maybe_log_training_metrics: lr_scale, rho_ess, ess, ... to the same
+  wandb / tensorboard writers, under Megatron-RL's flat naming.""",
 }
 
 
@@ -227,7 +244,12 @@ def _moved(text: str) -> tuple[str, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--component", choices=sorted(CALL_SITES), required=True)
-    parser.add_argument("--tree", type=Path, required=True, help="folder holding miles/ or slime/")
+    parser.add_argument(
+        "--tree",
+        type=Path,
+        required=True,
+        help="folder holding miles/, slime/ or megatron/rl",
+    )
     parser.add_argument("--commit", required=True, help="the tree's upstream commit (9+ hex)")
     parser.add_argument("--out", type=Path, help="series folder (default patches/<c>/<hash:9>)")
     parser.add_argument(

@@ -20,6 +20,9 @@ never by commit):
 - ``maybe_log_training_metrics(group_stats, current_iteration, ..., wandb_writer, tb_writer)``
   logs the collection's flat-named metrics (``mean_reward``, ``mean_piold_to_inf_prob``...);
   the ESS metrics go to the same writers under the same flat naming.
+
+Shadow mode (``--ess-lr-shadow`` / ``ESS_LR_SHADOW``) runs the same hooks and collectives but
+keeps the result for the logs only (``ess_lr_shadow_scale``), never arming it.
 """
 
 from __future__ import annotations
@@ -32,9 +35,17 @@ from collections.abc import Callable
 from typing import Any
 
 from ..patching import MissingTargetError, Target
-from ..state import arm, armed, disarm
+from ..state import STATE, arm, armed, disarm
 from . import Integration
-from .rl_hooks import Framework, Groups, add_ess_arguments, config_from_args, validate
+from .rl_hooks import (
+    Framework,
+    Groups,
+    add_ess_arguments,
+    config_from_args,
+    ess_metrics,
+    shadow_requested,
+    validate,
+)
 
 __all__ = ["MEGATRON_RL", "MEGATRON_RL_FRAMEWORK"]
 
@@ -172,9 +183,15 @@ def _host_args() -> Any:
     return get_args()
 
 
-def _enabled() -> Any:
+def _enabled() -> tuple[Any, bool] | None:
+    """(the host args, shadow mode?) when ``--use-ess-lr`` or ``--ess-lr-shadow`` is on, else
+    None (the hooks call straight through)."""
     args = _host_args()
-    return args if getattr(args, "use_ess_lr", False) else None
+    if getattr(args, "use_ess_lr", False):
+        return args, False
+    if shadow_requested(args):
+        return args, True
+    return None
 
 
 # --- the ESS of one collection -----------------------------------------------------------------
@@ -212,8 +229,11 @@ def _agree_on_errors(error: BaseException | None) -> None:
         )
 
 
-def _compute_and_arm(args: Any, build: Callable[[], tuple[list, list, list]]) -> None:
-    """``build()`` -> per-trajectory (train, inference, mask) lists on this rank; arm the ESS."""
+def _compute_and_arm(
+    args: Any, build: Callable[[], tuple[list, list, list]], shadow: bool = False
+) -> None:
+    """``build()`` -> per-trajectory (train, inference, mask) lists on this rank; arm the ESS
+    (shadow mode: keep it for the logs only)."""
     import torch.distributed as dist
 
     from ..compute import compute_ess_lr
@@ -248,6 +268,10 @@ def _compute_and_arm(args: Any, build: Callable[[], tuple[list, list, list]]) ->
                 f"ess-patch ({NAME}): the last pipeline stage failed to compute the ESS: "
                 f"{payload[0]}"
             )
+    if shadow:
+        STATE.shadow = payload[1]
+        logger.debug("ess-patch (%s): shadow %s", NAME, payload[1])
+        return
     result = arm(payload[1])
     logger.debug("ess-patch (%s): armed %s", NAME, result)
 
@@ -351,9 +375,10 @@ def _guarded(wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
 
 def align_wrapper(wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict) -> Any:
     """Unpacked: after upstream aligns the inference log-probs, arm this collection's ESS."""
-    host = _enabled()
-    if host is None:
+    enabled = _enabled()
+    if enabled is None:
         return wrapped(*args, **kwargs)
+    host, shadow = enabled
     call = _bind(wrapped, "align_unpacked_inference_logprobs", args, kwargs)
     if call["inference_logprobs"] is None:  # before upstream fails on it, on this rank only
         _agree_on_errors(
@@ -371,6 +396,7 @@ def align_wrapper(wrapped: Callable[..., Any], _instance: Any, args: tuple, kwar
             call["generation_masks"],
             padded,
         ),
+        shadow,
     )
     return padded
 
@@ -379,9 +405,10 @@ def packed_stats_wrapper(
     wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict
 ) -> Any:
     """Packed: beside upstream's mismatch statistics, arm this collection's ESS."""
-    host = _enabled()
-    if host is None:
+    enabled = _enabled()
+    if enabled is None:
         return wrapped(*args, **kwargs)
+    host, shadow = enabled
     call = _bind(wrapped, "compute_packed_inference_logprobs_stats", args, kwargs)
     out = _guarded(wrapped, args, kwargs)
     _compute_and_arm(
@@ -389,6 +416,7 @@ def packed_stats_wrapper(
         lambda: _packed_inputs(
             call["old_logprobs"], call["packed_inference_logprobs"], call["packed_loss_mask"]
         ),
+        shadow,
     )
     return out
 
@@ -398,8 +426,9 @@ def prepare_wrapper(wrapped: Callable[..., Any], _instance: Any, args: tuple, kw
     if _enabled() is None:
         return wrapped(*args, **kwargs)
     disarm()
+    STATE.shadow = None
     out = wrapped(*args, **kwargs)
-    if armed() is None:
+    if armed() is None and STATE.shadow is None:
         logger.warning(
             "ess-patch (%s): this rollout collection had no inference log-probs; ESS-LR "
             "is a no-op for it (the LR is the scheduled one)",
@@ -411,14 +440,14 @@ def prepare_wrapper(wrapped: Callable[..., Any], _instance: Any, args: tuple, kw
 def log_metrics_wrapper(
     wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict
 ) -> Any:
-    """Add the armed ESS metrics to the collection's wandb / tensorboard record."""
+    """Add the ESS metrics (armed, or shadow mode's) to the collection's wandb / tensorboard
+    record."""
     out = wrapped(*args, **kwargs)
-    result = armed()
-    if result is None:
+    metrics = ess_metrics()
+    if not metrics:
         return out
     call = _bind(wrapped, "maybe_log_training_metrics", args, kwargs)
     step = call["current_iteration"]
-    metrics = result.metrics()
     if call.get("wandb_writer"):
         call["wandb_writer"].log(metrics, step=step)
     if call.get("tb_writer"):
@@ -456,7 +485,7 @@ def parse_args_wrapper(
     call["extra_args_provider"] = compose_extra_args_provider(call.get("extra_args_provider"))
     parsed = wrapped(**call)
     validate(MEGATRON_RL_FRAMEWORK, parsed)
-    if getattr(parsed, "use_ess_lr", False):
+    if getattr(parsed, "use_ess_lr", False) or shadow_requested(parsed):
         check_host_shape()
     return parsed
 
@@ -466,12 +495,42 @@ MEGATRON_RL = Integration(
     distribution=None,
     supported=SUPPORTED,
     targets=(
-        Target(_RL_UTILS, "", "prepare_data_for_update", prepare_wrapper),
-        Target(_RL_UTILS, "", "align_unpacked_inference_logprobs", align_wrapper),
-        Target(_PACKING, "", "compute_packed_inference_logprobs_stats", packed_stats_wrapper),
+        Target(
+            _RL_UTILS,
+            "",
+            "prepare_data_for_update",
+            prepare_wrapper,
+            decorator="megatron_rl_prepare",
+        ),
+        Target(
+            _RL_UTILS,
+            "",
+            "align_unpacked_inference_logprobs",
+            align_wrapper,
+            decorator="megatron_rl_align",
+        ),
+        Target(
+            _PACKING,
+            "",
+            "compute_packed_inference_logprobs_stats",
+            packed_stats_wrapper,
+            decorator="megatron_rl_packed_stats",
+        ),
         Target(_RL_UTILS, "", "compute_packed_inference_logprobs_stats", packed_stats_wrapper),
-        Target(_RL_UTILS, "", "maybe_log_training_metrics", log_metrics_wrapper),
-        Target("megatron.training.arguments", "", "parse_args", parse_args_wrapper),
+        Target(
+            _RL_UTILS,
+            "",
+            "maybe_log_training_metrics",
+            log_metrics_wrapper,
+            decorator="megatron_rl_log_metrics",
+        ),
+        Target(
+            "megatron.training.arguments",
+            "",
+            "parse_args",
+            parse_args_wrapper,
+            decorator="megatron_rl_parse_args",
+        ),
         Target(
             "megatron.training.initialize", "", "parse_args", parse_args_wrapper, required=False
         ),

@@ -268,12 +268,16 @@ DETECTORS: dict[str, Callable[[Path], Tree | None]] = {
     "megatron-core": _detect_megatron_core,
     "miles": _package_checkout("miles", "miles"),
     "slime": _package_checkout("slime", "slime"),
+    # Megatron-LM's own RL loop (train_rl.py): a Megatron-LM checkout or snapshot; a full
+    # checkout also holds megatron/core, so detection asks which of the two is meant.
+    "megatron_rl": _package_checkout("megatron_rl", "megatron/rl"),
 }
 
 _EVIDENCE = {
     "megatron-core": "megatron/core/__init__.py",
     "miles": "miles/__init__.py",
     "slime": "slime/__init__.py",
+    "megatron_rl": "megatron/rl/__init__.py",
 }
 
 

@@ -148,7 +148,12 @@ def vendored_imports(root: Path, rel: str) -> dict[str, str]:
 # The gaps between a patched tree and install().
 
 #: A ``patches/`` component -> the ``install()`` integration whose targets its series decorate.
-INTEGRATION_OF = {"megatron-core": "megatron", "miles": "miles", "slime": "slime"}
+INTEGRATION_OF = {
+    "megatron-core": "megatron",
+    "miles": "miles",
+    "slime": "slime",
+    "megatron_rl": "megatron_rl",
+}
 
 _Site = tuple[str, str, str]  # (file, owner or "", function): where a definition is
 

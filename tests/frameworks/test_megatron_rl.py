@@ -6,12 +6,24 @@
 - the real ``align_unpacked_inference_logprobs`` (unpacked) and the real packing path
   (``pack_all_trajectories`` -> ``pack_inference_logprobs`` ->
   ``compute_packed_inference_logprobs_stats``) in a gloo world (DP2 x CP2, and DP2 x PP2)
-  arm on every rank the float64 reference scale of all ranks' trajectories;
-- the real ``maybe_log_training_metrics`` hands the metrics to the writers;
-- bad input (no inference log-probs, mismatched shapes) is an error on every rank, nothing armed.
+  arm on every rank the float64 reference scale of all ranks' trajectories; every optimizer
+  step of a real megatron-core optimizer in that collection is scaled by it, and the LRs are
+  restored before the scheduler; the next collection drops it; disabled, nothing changes;
+  ``--ess-lr-shadow`` computes and logs the same result and arms nothing;
+- the real ``maybe_log_training_metrics`` hands the metrics to a real tensorboard writer and
+  wandb's tables, beside Megatron-RL's own, at its step;
+- bad input (no inference log-probs, mismatched shapes, unpacked and packed) is an error on
+  every rank, nothing armed; ``ess-patch doctor`` lists the megatron_rl targets.
 
-Nothing is stubbed: on CPU, ``megatron.rl.rl_utils`` imports with the packages of
-``requirements-full.txt`` (tensorboard included); ``.cuda()`` goes through the demo's CPU shim.
+With ``ESS_PATCH_TEST_MODE=vendored`` the same tests run against a copy of the tree patched
+with ``patches/megatron_rl`` (``MEGATRON_RL_SRC`` pointing at it) and never call ``install()``:
+where a test would install, it checks that every target it can see carries the diff's call
+site instead (the optimizers still get ``install("megatron")``: that diff does not cover
+them). tests/frameworks/test_vendored_frameworks.py runs it that way.
+
+Nothing is stubbed at import: on CPU, ``megatron.rl.rl_utils`` imports with the packages of
+``requirements-full.txt`` (tensorboard included); ``.cuda()`` goes through the demo's CPU shim;
+the packed path's timers and NVTX ranges (CUDA-only, they only time) are no-ops at run time.
 """
 
 from __future__ import annotations
@@ -50,6 +62,33 @@ if SKIP is None and SRC not in sys.path:
 
 B, S = 8, 24  # trajectories in the whole batch, sequence length
 DP = 2
+
+# The tree on the path is patched with patches/megatron_rl (see the module docstring).
+VENDORED = os.environ.get("ESS_PATCH_TEST_MODE") == "vendored"
+
+
+def _install() -> None:
+    """``install("megatron_rl")``; in vendored mode, a check instead that every target whose
+    module is imported already calls ess-patch through the diff (and nothing is installed)."""
+    import importlib
+
+    import ess_patch
+
+    if not VENDORED:
+        ess_patch.install("megatron_rl")
+        return
+    from ess_patch.install import INTEGRATIONS
+    from ess_patch.vendored import is_vendored
+
+    seen = 0
+    for target in INTEGRATIONS["megatron_rl"].targets:
+        if target.module not in sys.modules:
+            continue
+        value = vars(importlib.import_module(target.module)).get(target.attribute)
+        assert is_vendored(value), f"{target.path} is not patched (vendored mode)"
+        seen += 1
+    assert seen, "vendored mode: no megatron_rl target is imported yet"
+    assert not ess_patch.is_installed()
 
 
 def _global_batch(seed: int = 0) -> list[dict]:
@@ -109,10 +148,15 @@ def rank_unpacked(bad: str = "") -> dict:
     import ess_patch
     from ess_patch.demo.cpu import megatron_on_cpu
 
-    _set_host_args()
-    ess_patch.install("megatron_rl")
+    if bad == "shadow":  # --ess-lr-shadow instead of --use-ess-lr
+        _set_host_args(use_ess_lr=False, ess_lr_shadow=True)
+    else:
+        _set_host_args()
     from megatron.rl import rl_utils
 
+    from ess_patch.state import STATE
+
+    _install()
     mine = _my_trajectories(_global_batch())
     old = torch.stack([t["old"] for t in mine])
     gen_masks = torch.stack([t["gen_mask"] for t in mine])
@@ -136,12 +180,33 @@ def rank_unpacked(bad: str = "") -> dict:
     plain = rl_utils.align_unpacked_inference_logprobs.__wrapped__(
         inference, old, gen_masks, SimpleNamespace()
     )
+    if bad == "shadow":
+        tb = _Writer()
+        stats.mean_reward = 0.5  # what the tensorboard branch reads besides ours
+        rl_utils.maybe_log_training_metrics(stats, 5, None, [], wandb_writer=None, tb_writer=tb)
+        r = STATE.shadow
+        return {
+            "result": (r.scale, r.rho, r.status, r.num_trajectories),
+            "armed": ess_patch.armed(),
+            "logged": {k: v for k, v, _ in tb.scalars},
+            "same_output": torch.equal(padded, plain),
+        }
     r = ess_patch.armed()
     return {
         "result": (r.scale, r.rho, r.status, r.num_trajectories),
         "same_output": torch.equal(padded, plain),
         "upstream_stat": stats.mean_piold_to_inf_prob,
     }
+
+
+class _Writer:
+    """A tensorboard writer's ``add_scalar``, kept in memory (inside gloo ranks)."""
+
+    def __init__(self):
+        self.scalars: list[tuple[str, float, int]] = []
+
+    def add_scalar(self, key, value, step):
+        self.scalars.append((key, value, step))
 
 
 def _check_reference(results: list[dict]) -> None:
@@ -164,6 +229,79 @@ def test_unpacked_arms_the_reference_scale_on_every_rank(cp, pp, tmp_path):
     assert all(r["upstream_stat"] is not None for r in results)
 
 
+def rank_steps() -> dict:
+    """One collection (the real align arms its ESS), then two optimizer steps of a real
+    megatron-core optimizer with Megatron's scheduler after each, as ``train_step`` does; then
+    the next collection starts. The LRs the torch optimizer sees inside each step are kept."""
+    from megatron_cpu import batch, build_megatron_optimizer, forward_backward, inner_optimizers
+
+    import ess_patch
+    from ess_patch.demo.cpu import megatron_on_cpu
+    from ess_patch.integrations import megatron_rl
+
+    _set_host_args()
+    from megatron.rl import rl_utils
+
+    if VENDORED:  # the megatron_rl diff does not cover the optimizers: install("megatron")
+        _install()
+        ess_patch.install("megatron")
+    else:
+        ess_patch.install(["megatron", "megatron_rl"])
+    mine = _my_trajectories(_global_batch())
+    with megatron_on_cpu():
+        rl_utils.align_unpacked_inference_logprobs(
+            [t["inf"] for t in mine],
+            torch.stack([t["old"] for t in mine]),
+            torch.stack([t["gen_mask"] for t in mine]),
+            SimpleNamespace(),
+        )
+        scale = ess_patch.armed().scale
+        setup = build_megatron_optimizer("fp32", optimizer="adam")
+        seen: list[list[float]] = []
+        for child in inner_optimizers(setup.optimizer):
+            child.optimizer.register_step_pre_hook(
+                lambda opt, *_: seen.append([g["lr"] for g in opt.param_groups])
+            )
+        steps = []
+        for i in range(2):  # two optimizer steps in one collection
+            scheduled = [g["lr"] for g in setup.optimizer.param_groups]
+            forward_backward(setup, *batch(0, i))
+            setup.optimizer.step()
+            after_step = [g["lr"] for g in setup.optimizer.param_groups]
+            setup.scheduler.step(increment=1)
+            steps.append((scheduled, seen[-1], after_step))
+    # the next collection: nothing carried over, even before it arms its own
+    megatron_rl.prepare_wrapper(lambda: None, None, (), {})
+    return {"scale": scale, "steps": steps, "armed_after": ess_patch.armed()}
+
+
+@pytest.mark.dist
+def test_every_optimizer_step_of_the_collection_is_scaled_and_restored(tmp_path):
+    results = run_ranks(rank_steps, dp=DP, tmp_path=tmp_path, timeout=120)
+    ref = _reference(_global_batch(), mode="product")
+    for r in results:
+        assert r["scale"] == pytest.approx(ref["scale"], rel=1e-6) and r["scale"] < 0.95
+        for scheduled, inside, after in r["steps"]:
+            assert inside == pytest.approx([lr * r["scale"] for lr in scheduled], rel=1e-12)
+            assert after == scheduled  # restored before the scheduler runs
+        assert r["steps"][0][0] != r["steps"][1][0]  # the scheduler moved the LR in between
+        assert r["armed_after"] is None
+
+
+@pytest.mark.dist
+def test_shadow_mode_computes_and_logs_the_reference_but_arms_nothing(tmp_path):
+    results = run_ranks(
+        rank_unpacked, dp=DP, cp=2, args=("shadow",), tmp_path=tmp_path, timeout=120
+    )
+    _check_reference(results)  # the same ESS, the same collectives as --use-ess-lr
+    ref = _reference(_global_batch(), mode="product")
+    for r in results:
+        assert r["armed"] is None and r["same_output"]  # never an LR change
+        assert "lr_scale" not in r["logged"]
+        assert r["logged"]["ess_lr_shadow_scale"] == pytest.approx(ref["scale"], rel=1e-6)
+        assert r["logged"]["rho_ess"] == pytest.approx(ref["rho"], rel=1e-6)
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("bad", ["short", "missing"])
 def test_bad_unpacked_input_is_an_error_on_every_rank(bad, tmp_path):
@@ -176,17 +314,18 @@ def test_bad_unpacked_input_is_an_error_on_every_rank(bad, tmp_path):
     assert ("inference log-prob tensors" in text) or ("no inference log-probs" in text)
 
 
-def rank_packed() -> dict:
+def rank_packed(bad: str = "") -> dict:
     import ess_patch
     from ess_patch.demo.cpu import megatron_on_cpu
 
     _set_host_args(rl_use_sequence_packing=True)
-    ess_patch.install("megatron_rl")
     from megatron.core import parallel_state as mpu
     from megatron.rl import rl_utils
     from megatron.rl import sequence_packing_utils as spu
     from megatron.training import global_vars
     from megatron.training.utils import get_nvtx_range  # noqa: F401  (real, imported by spu)
+
+    _install()
 
     global_vars._GLOBAL_TOKENIZER = SimpleNamespace(pad=0, eod=1)
     # Timers only time the nvtx ranges (and need CUDA to synchronize): a no-op stand-in.
@@ -219,13 +358,20 @@ def rank_packed() -> dict:
             generation_masks=ctx.original_generation_masks,
             bin_size=S,
         )
+        lay = layout()
+        if bad == "width" and lay.dp_rank == 1 and lay.cp_rank == 0:
+            # one column short: upstream's own stats skip such a batch without a word
+            old = old[:, :-1]
         stats = SimpleNamespace()
-        rl_utils.compute_packed_inference_logprobs_stats(
-            old_logprobs=old,
-            packed_inference_logprobs=packed_inf,
-            packed_loss_mask=ctx.packed_loss_mask,
-            group_stats=stats,
-        )
+        try:
+            rl_utils.compute_packed_inference_logprobs_stats(
+                old_logprobs=old,
+                packed_inference_logprobs=packed_inf,
+                packed_loss_mask=ctx.packed_loss_mask,
+                group_stats=stats,
+            )
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}", "armed": ess_patch.armed()}
     r = ess_patch.armed()
     return {
         "result": (r.scale, r.rho, r.status, r.num_trajectories),
@@ -243,14 +389,30 @@ def test_packed_arms_the_reference_scale_on_every_rank(cp, pp, tmp_path):
     assert all(r["upstream_stat"] is not None for r in results)
 
 
+@pytest.mark.dist
+def test_mismatched_packed_shapes_are_an_error_on_every_rank(tmp_path):
+    results = run_ranks(rank_packed, dp=DP, cp=2, args=("width",), tmp_path=tmp_path, timeout=120)
+    assert all("error" in r for r in results), results
+    assert all(r["armed"] is None for r in results)  # nothing armed anywhere
+    bad = [r["error"] for r in results if "do not line up" in r["error"]]
+    assert len(bad) == 1, results
+    assert ", 22), inference log-probs (" in bad[0] and ", 23) and loss mask" in bad[0]
+    others = [r["error"] for r in results if "do not line up" not in r["error"]]
+    assert len(others) == 3 and all("rank 2 had bad ESS-LR input" in e for e in others), others
+
+
 # --- single process: flags and metrics ---------------------------------------------------------
 
 
 @pytest.fixture
 def installed():
+    import megatron.rl.rl_utils
+    import megatron.training.arguments
+    import megatron.training.initialize  # noqa: F401  (before install: its by-name copy)
+
     import ess_patch
 
-    ess_patch.install("megatron_rl")
+    _install()
     try:
         yield ess_patch
     finally:
@@ -283,10 +445,38 @@ def test_flags_through_megatrons_parse_args_with_a_user_provider(installed):
     assert plain.use_ess_lr is False
 
 
+def test_initialize_megatron_parses_through_the_hook(installed):
+    """``initialize_megatron`` (what ``pretrain`` runs for ``train_rl.py``) calls the name it
+    imported, positionally: ``parse_args(extra_args_provider, ignore_unknown_args)``."""
+    import megatron.rl.rl_utils  # noqa: F401
+    from megatron.training import initialize
+
+    def user(parser):
+        parser.add_argument("--my-flag", type=int, default=7)
+        return parser
+
+    old = sys.argv
+    sys.argv = ["train_rl.py", "--use-ess-lr", "--rl-partial-rollouts", "--my-flag", "3"]
+    try:
+        args = initialize.parse_args(user, False)
+    finally:
+        sys.argv = old
+    assert args.use_ess_lr and args.my_flag == 3 and args.ess_lr_floor == 0.1
+
+
 def test_no_inference_logprobs_is_a_startup_error(installed):
     with pytest.raises(ValueError, match="--rl-inference-logprobs-is-correction"):
         _parse(["--use-ess-lr"])
     assert _parse(["--use-ess-lr", "--rl-partial-rollouts"]).use_ess_lr
+
+
+def test_shadow_flag_is_parsed_and_checked_like_use_ess_lr(installed):
+    args = _parse(["--ess-lr-shadow", "--rl-inference-logprobs-is-correction"])
+    assert args.ess_lr_shadow is True and args.use_ess_lr is False
+    with pytest.raises(ValueError, match=r"--ess-lr-shadow needs.*inference-logprobs"):
+        _parse(["--ess-lr-shadow"])
+    with pytest.raises(ValueError, match="are both on"):
+        _parse(["--use-ess-lr", "--ess-lr-shadow", "--rl-inference-logprobs-is-correction"])
 
 
 def test_a_host_without_a_hooked_symbol_fails_at_startup(installed, monkeypatch):
@@ -318,6 +508,7 @@ def test_parse_args_outside_megatron_rl_is_untouched(installed, monkeypatch):
         sys.argv = old
 
 
+@pytest.mark.skipif(VENDORED, reason="a patched tree always has the flags (vendored mode)")
 def test_uninstalled_parser_has_no_flags():
     from megatron.training import arguments
 
@@ -328,37 +519,140 @@ def test_uninstalled_parser_has_no_flags():
         _parse(["--use-ess-lr"])
 
 
-class _Writer:
-    def __init__(self):
-        self.scalars, self.logged = [], []
+def _group_stats() -> SimpleNamespace:
+    """What ``maybe_log_training_metrics`` reads of a collection's ``RolloutStats``."""
+    stats = dict(
+        reward_means=[0.5, 0.25],
+        reward_stds=[0.1, 0.2],
+        rewards=[0.5, 0.25],
+        advantages=[0.3, -0.3],
+        mean_length=12.0,
+        mean_length_std=1.0,
+        max_length=13,
+        min_length=11,
+        mean_reward=0.5,
+    )
+    for kind in ("piold_to_inf_prob", "inf_train_prob_abs_diff", "inf_prob"):
+        stats.update({f"{m}_{kind}": 1.0 for m in ("min", "max", "mean")})
+    return SimpleNamespace(**stats)
 
-    def add_scalar(self, key, value, step):
-        self.scalars.append((key, value, step))
+
+class _WandbRun:
+    """wandb as Megatron hands it to the function (the module after ``wandb.init``): its real
+    ``Table`` and ``plot``, and a ``log`` that keeps what it gets (no wandb service)."""
+
+    def __init__(self):
+        import wandb
+
+        self.Table, self.plot = wandb.Table, wandb.plot
+        self.logged: list[tuple[dict, int]] = []
 
     def log(self, metrics, step=None):
         self.logged.append((metrics, step))
 
 
-def test_metrics_reach_megatron_rls_writers(installed):
+def _tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """What a tensorboard reader sees in ``log_dir``: tag -> [(step, value)]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {
+        tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+    }
+
+
+def test_metrics_reach_megatron_rls_writers(installed, tmp_path):
+    """The real ``maybe_log_training_metrics`` with a real tensorboard ``SummaryWriter`` and
+    wandb's own tables: the ESS metrics land beside Megatron-RL's, at the same step, under
+    its flat naming (``mean_reward``, ``lr_scale``...)."""
     from megatron.rl import rl_utils
+    from torch.utils.tensorboard import SummaryWriter
 
     from ess_patch import arm
     from ess_patch.result import EssLrResult
 
-    tb = _Writer()
-    stats = SimpleNamespace(mean_reward=0.5)
-    rl_utils.maybe_log_training_metrics(stats, 3, None, [], wandb_writer=None, tb_writer=tb)
-    assert tb.scalars == [("mean_reward", 0.5, 3)]  # nothing armed: upstream's own only
+    writer, wandb_run = SummaryWriter(log_dir=str(tmp_path / "tb")), _WandbRun()
+    rl_utils.maybe_log_training_metrics(_group_stats(), 3, None, [], wandb_run, writer)
     result = EssLrResult(
         scale=0.5, rho=0.25, ess=2.0, num_trajectories=8, num_empty=0, num_nonfinite=0, status="ok"
     )
     arm(result)
     try:
-        tb = _Writer()
-        rl_utils.maybe_log_training_metrics(stats, 4, None, [], wandb_writer=None, tb_writer=tb)
+        rl_utils.maybe_log_training_metrics(_group_stats(), 4, None, [], wandb_run, writer)
     finally:
         installed.disarm()
-    logged = {k: (v, s) for k, v, s in tb.scalars}
-    assert logged["mean_reward"] == (0.5, 4)
-    assert logged["lr_scale"] == (0.5, 4) and logged["rho_ess"] == (0.25, 4)
-    assert logged["ess"] == (2.0, 4)
+    writer.close()
+    scalars = _tensorboard_scalars(tmp_path / "tb")
+    assert scalars["mean_reward"] == [(3, 0.5), (4, 0.5)]  # upstream's own, untouched
+    assert scalars["lr_scale"] == [(4, 0.5)]  # nothing armed at step 3: nothing of ours
+    assert scalars["rho_ess"] == [(4, 0.25)] and scalars["ess"] == [(4, 2.0)]
+    assert scalars["ess_num_trajectories"] == [(4, 8.0)]
+    steps = [step for _, step in wandb_run.logged]
+    assert steps == [3, 4, 4]  # upstream's record, then upstream's and ours at step 4
+    ours = wandb_run.logged[2][0]
+    assert ours == result.metrics() and ours["lr_scale"] == 0.5 and ours["rho_ess"] == 0.25
+    assert "mean_reward" in wandb_run.logged[1][0] and "lr_scale" not in wandb_run.logged[0][0]
+
+
+def test_a_new_collection_drops_the_last_ones_scale(installed, caplog):
+    """``prepare_data_for_update`` starts a collection: the previous one's scale is never
+    carried over, and a collection that arms none is said to be a no-op."""
+    from ess_patch.integrations import megatron_rl
+    from ess_patch.result import EssLrResult
+
+    _set_host_args()
+    installed.arm(EssLrResult.from_scale(0.3))
+    # the real prepare_data_for_update needs a model and rollouts: the hook's own wrapper
+    # around a collection that arms nothing (no inference log-probs)
+    seen = []
+    with caplog.at_level("WARNING", logger=megatron_rl.__name__):
+        megatron_rl.prepare_wrapper(lambda: seen.append(installed.armed()), None, (), {})
+    assert seen == [None]  # the old scale was dropped before the collection ran
+    assert installed.armed() is None
+    assert "had no inference log-probs" in caplog.text
+
+
+def test_disabled_the_real_align_arms_nothing_and_changes_nothing(installed):
+    from megatron.rl import rl_utils
+
+    from ess_patch.demo.cpu import megatron_on_cpu
+
+    _set_host_args(use_ess_lr=False)
+    batch = _global_batch()
+    old = torch.stack([t["old"] for t in batch])
+    gen_masks = torch.stack([t["gen_mask"] for t in batch])
+    inference = [t["inf"] for t in batch]
+    with megatron_on_cpu():
+        padded = rl_utils.align_unpacked_inference_logprobs(
+            inference, old, gen_masks, SimpleNamespace()
+        )
+        plain = rl_utils.align_unpacked_inference_logprobs.__wrapped__(
+            inference, old, gen_masks, SimpleNamespace()
+        )
+    assert installed.armed() is None
+    assert torch.equal(padded, plain)
+
+
+def test_doctor_knows_megatron_rl(installed, monkeypatch):
+    from megatron.rl import rl_utils
+
+    from ess_patch.doctor import collect
+    from ess_patch.install import INTEGRATIONS
+
+    report = collect()
+    versions = report.sections["versions"]
+    assert any(line.startswith("megatron.rl") and "importable from" in line for line in versions)
+    [section] = [k for k in report.sections if k.startswith("targets: megatron_rl (")]
+    lines = report.sections[section]
+    state = "vendored diff applied" if VENDORED else "wrapped by install() in this process"
+    for target in INTEGRATIONS["megatron_rl"].targets:
+        assert any(line.startswith(f"ok {target.path}: {state}") for line in lines), target.path
+    assert not [p for p in report.problems if "megatron.rl" in p or "megatron.training" in p]
+    # a host without a hooked function is a problem naming it and the supported range
+    monkeypatch.delattr(rl_utils, "maybe_log_training_metrics")
+    problems = collect().problems
+    assert "megatron.rl.rl_utils.maybe_log_training_metrics is missing; supported: " in (
+        " ".join(problems)
+    )
+    assert "core_v0.16" in " ".join(problems)

@@ -1,12 +1,14 @@
-"""The patches/ series on the real miles, slime and megatron-core code, without install().
+"""The patches/ series on the real miles, slime, Megatron-RL and megatron-core code, without
+install().
 
-Copies of the upstream snapshots (``$MILES_SRC``, ``$SLIME_SRC``) and of the installed
-megatron-core are patched with ``ess-patch patches apply`` in a scratch folder. Then, in fresh
-processes that see only the patched copies:
+Copies of the upstream snapshots (``$MILES_SRC``, ``$SLIME_SRC``, ``$MEGATRON_RL_SRC``) and of
+the installed megatron-core are patched with ``ess-patch patches apply`` in a scratch folder.
+Then, in fresh processes that see only the patched copies:
 
-- the framework tests (test_integration.py, ``ESS_PATCH_TEST_MODE=vendored``) pass with no
-  ``install()`` and none of them skipped (except the one about the ``.pth`` file, which an
-  editable install lacks, as in the default mode);
+- the framework tests (test_integration.py and test_megatron_rl.py,
+  ``ESS_PATCH_TEST_MODE=vendored``) pass with no ``install()`` and none of them skipped
+  (except the ones that are about install() itself: the ``.pth`` file, which an editable
+  install lacks, as in the default mode; the parser of a tree that was never patched);
 - ``install()`` on the patched trees wraps nothing and says why, once per target.
 
 Needs the frameworks' dependencies (tox -e frameworks); skipped with the reason otherwise.
@@ -23,6 +25,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from skips import missing_packages, missing_snapshot
 from upstream import ENV_VARS, skip_reason
 
 from ess_patch import patchset
@@ -31,11 +34,21 @@ from ess_patch.patchset.cli import main as patches_main
 FRAMEWORKS = Path(__file__).resolve().parent
 TESTS = FRAMEWORKS.parent
 REASON = skip_reason("miles", "full") or skip_reason("slime", "full")
-pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+MILES_SLIME = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+MRL_REASON = missing_snapshot(
+    "MEGATRON_RL_SRC", "Megatron-LM core_v0.16.1", "megatron/rl/rl_utils.py"
+) or missing_packages(
+    "the Megatron-RL tests",
+    [n for n in ("tensorboard", "wandb", "pydantic") if importlib.util.find_spec(n) is None],
+    "pip install -r tests/frameworks/requirements-full.txt",
+)
+MEGATRON_RL = pytest.mark.skipif(MRL_REASON is not None, reason=MRL_REASON or "")
 
 # The one test that may skip in vendored mode, as in the default one: the .pth file ships
 # with a wheel, not with an editable install.
 ALLOWED_SKIP = "the .pth ships with the wheel"
+# In test_megatron_rl.py: what a tree looks like before install() is moot once it is patched.
+ALLOWED_MRL_SKIP = "a patched tree always has the flags"
 
 
 def _apply(target: Path, component: str) -> None:
@@ -78,6 +91,7 @@ def _env(patched: dict[str, Path], **extra: str) -> dict[str, str]:
     return env
 
 
+@MILES_SLIME
 def test_framework_tests_pass_on_the_patched_trees_without_install(patched, tmp_path):
     report = tmp_path / "report.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
@@ -117,6 +131,7 @@ def test_framework_tests_pass_on_the_patched_trees_without_install(patched, tmp_
         assert ALLOWED_SKIP in (skip.get("message") or ""), f"{name} skipped: {tail}"
 
 
+@MILES_SLIME
 def test_install_wraps_nothing_on_the_patched_trees_and_says_why(patched, tmp_path):
     code = f"""
 import importlib, logging, sys
@@ -155,4 +170,98 @@ print("MARKED", marked)
     assert "WRAPPED []" in result.stdout
     marked = int(result.stdout.split("MARKED ")[1].split()[0])
     assert marked == 8 + 8 + 4  # megatron-core 0.16.1, miles, slime: every target
+    assert result.stdout.count("already calls ess-patch (vendored diff") == marked
+
+
+# --- Megatron-RL (Megatron-LM core_v0.16.1: megatron/training, megatron/rl) --------------------
+
+
+@pytest.fixture(scope="module")
+def patched_megatron_rl(tmp_path_factory) -> Path:
+    """A copy of ``$MEGATRON_RL_SRC`` with patches/megatron_rl applied by the tool."""
+    tree = tmp_path_factory.mktemp("vendored-mrl") / "Megatron-LM"
+    shutil.copytree(os.environ["MEGATRON_RL_SRC"], tree)
+    _apply(tree, "megatron_rl")
+    return tree
+
+
+def _mrl_env(tree: Path, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(MEGATRON_RL_SRC=str(tree), **extra)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH", "")]))
+    env.pop("ESS_PATCH_AUTO_INSTALL", None)
+    return env
+
+
+@MEGATRON_RL
+def test_megatron_rl_tests_pass_on_the_patched_tree_without_install(patched_megatron_rl, tmp_path):
+    report = tmp_path / "report.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
+    cmd += ["-p", "no:randomly", "--rootdir", str(TESTS.parent), f"--junitxml={report}"]
+    cmd.append(str(FRAMEWORKS / "test_megatron_rl.py"))
+    result = subprocess.run(
+        cmd,
+        cwd=tmp_path,
+        env=_mrl_env(patched_megatron_rl, ESS_PATCH_TEST_MODE="vendored"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    tail = result.stdout[-4000:] + result.stderr[-2000:]
+    assert result.returncode == 0, tail
+    passed, skipped = [], []
+    for case in ET.parse(report).getroot().iter("testcase"):
+        skip = case.find("skipped")
+        (passed if skip is None else skipped).append((case.get("name"), skip))
+    names = {name for name, _ in passed}
+    assert {
+        "test_unpacked_arms_the_reference_scale_on_every_rank[dp2xcp2]",
+        "test_unpacked_arms_the_reference_scale_on_every_rank[dp2xpp2]",
+        "test_packed_arms_the_reference_scale_on_every_rank[dp2xcp2]",
+        "test_packed_arms_the_reference_scale_on_every_rank[dp2xpp2]",
+        "test_flags_through_megatrons_parse_args_with_a_user_provider",
+        "test_no_inference_logprobs_is_a_startup_error",
+        "test_metrics_reach_megatron_rls_writers",
+        "test_mismatched_packed_shapes_are_an_error_on_every_rank",
+    } <= names, tail
+    assert len(passed) >= 15 and len(passed) + len(skipped) >= 16, tail
+    for name, skip in skipped:
+        assert ALLOWED_MRL_SKIP in (skip.get("message") or ""), f"{name} skipped: {tail}"
+
+
+@MEGATRON_RL
+def test_install_wraps_nothing_on_the_patched_megatron_rl_tree(patched_megatron_rl, tmp_path):
+    code = f"""
+import importlib, logging, sys
+sys.path.append({str(patched_megatron_rl)!r})
+import ess_patch
+from ess_patch.install import INTEGRATIONS
+from ess_patch.vendored import is_vendored
+integration = INTEGRATIONS["megatron_rl"]
+for module in integration.modules:
+    importlib.import_module(module)
+marked = 0
+for t in integration.targets:
+    value = vars(sys.modules[t.module]).get(t.attribute)
+    assert value is not None and is_vendored(value), t.path + " is not patched"
+    marked += 1
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s", force=True)
+ess_patch.install("megatron_rl")
+print("WRAPPED", ess_patch.installed_targets())
+print("MARKED", marked)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=_mrl_env(patched_megatron_rl),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "WRAPPED []" in result.stdout
+    marked = int(result.stdout.split("MARKED ")[1].split()[0])
+    assert marked == 7  # every target, the re-imported names included
     assert result.stdout.count("already calls ess-patch (vendored diff") == marked
