@@ -14,7 +14,7 @@ import wrapt
 from .integrations.optimizer_step import step_wrapper
 from .lr import scaled_lr
 from .patching import is_ours
-from .state import STATE, scale_for
+from .state import STATE, note_attached, scale_for
 
 __all__ = ["attach", "detach"]
 
@@ -46,6 +46,7 @@ def attach(optimizer: Any) -> Any:
             optimizer.register_step_post_hook(_post_step),
         )
         setattr(optimizer, _HOOKS, handles)
+        note_attached(optimizer)
         return optimizer
 
     def bound_wrapper(wrapped: Any, _instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -54,6 +55,7 @@ def attach(optimizer: Any) -> Any:
     wrapper = wrapt.FunctionWrapper(optimizer.step, bound_wrapper)
     wrapper._self_ess_patch_target = f"{type(optimizer).__name__} instance"
     optimizer.step = wrapper
+    note_attached(optimizer)
     return optimizer
 
 

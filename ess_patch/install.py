@@ -28,7 +28,14 @@ from .integrations.slime import SLIME
 from .patching import apply, revert
 from .state import STATE, disarm
 
-__all__ = ["INTEGRATIONS", "install", "installed_targets", "is_installed", "uninstall"]
+__all__ = [
+    "INTEGRATIONS",
+    "failed_integrations",
+    "install",
+    "installed_targets",
+    "is_installed",
+    "uninstall",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +65,11 @@ def install(
         ValueError: an unknown integration name (the message lists the valid ones).
         MissingTargetError: a required symbol is missing in an imported library (names the
             symbol and the supported versions); nothing stays patched.
+
+    A library imported *later* that lacks a required symbol cannot raise here: that one
+    integration is rolled back (its wraps removed, its later modules left alone), the host's
+    import goes on, and the reason is logged and kept for :func:`failed_integrations` and
+    ``ess-patch doctor``. The other integrations stay installed.
     """
     if STATE.installed is not None:
         logger.warning(
@@ -69,12 +81,13 @@ def install(
     names = _select(integrations)
     STATE.config = config if config is not None else EssLrConfig.from_env()
     STATE.installed = {name: [] for name in names}
+    STATE.install_failures = {}
     try:
         for name in names:
             _check_version(INTEGRATIONS[name])
             for module in INTEGRATIONS[name].modules:
                 if module in sys.modules:
-                    _on_import(sys.modules[module])
+                    _wrap(name, sys.modules[module])  # raises: install() fails as a whole
                 elif module not in STATE.hooks_registered:
                     STATE.hooks_registered.add(module)
                     wrapt.register_post_import_hook(_on_import, module)
@@ -93,6 +106,7 @@ def uninstall() -> None:
         for patch in reversed(patches):
             revert(patch)
     STATE.installed = None
+    STATE.install_failures = {}
     STATE.config = None
     disarm()
     logger.info("ess-patch uninstalled")
@@ -108,6 +122,12 @@ def installed_targets() -> list[str]:
     if STATE.installed is None:
         return []
     return [p.target.path for patches in STATE.installed.values() for p in patches]
+
+
+def failed_integrations() -> dict[str, str]:
+    """Integrations rolled back because a library imported after ``install()`` lacked a
+    required symbol: name -> the reason (names the symbol and the supported versions)."""
+    return dict(STATE.install_failures)
 
 
 def _select(integrations: Iterable[str] | str | None) -> list[str]:
@@ -153,16 +173,47 @@ def _check_version(integration: Integration) -> None:
 
 
 def _on_import(module: ModuleType) -> None:
-    """Wrap the targets in ``module`` for every installed integration (idempotent)."""
+    """Post-import hook: wrap the targets in ``module`` for every installed integration.
+
+    Runs inside the host's ``import``: it never raises. An integration that cannot wrap this
+    module is rolled back (see :func:`_roll_back`); the others go on.
+    """
     if STATE.installed is None:  # hook left over from an uninstalled install
         return
-    for name, patches in STATE.installed.items():
-        integration = INTEGRATIONS[name]
-        for target in integration.targets:
-            if target.module == module.__name__:
-                supported = " ".join(
-                    filter(None, (integration.distribution, integration.supported))
-                )
-                patch = apply(target, supported)
-                if patch is not None:
-                    patches.append(patch)
+    for name in list(STATE.installed):
+        try:
+            _wrap(name, module)
+        except Exception as exc:  # the host's import must not fail because of ess-patch
+            _roll_back(name, exc)
+
+
+def _wrap(name: str, module: ModuleType) -> None:
+    """Wrap the targets of integration ``name`` that live in ``module`` (idempotent).
+
+    Raises:
+        MissingTargetError: a required target is missing (its earlier wraps stay recorded).
+    """
+    integration = INTEGRATIONS[name]
+    patches = STATE.installed[name]  # type: ignore[index]
+    supported = " ".join(filter(None, (integration.distribution, integration.supported)))
+    for target in integration.targets:
+        if target.module == module.__name__:
+            patch = apply(target, supported)
+            if patch is not None:
+                patches.append(patch)
+
+
+def _roll_back(name: str, error: BaseException) -> None:
+    """Take integration ``name`` out of this install: unwrap everything it wrapped (exact
+    originals back), wrap none of its modules imported later, record and log why."""
+    patches = STATE.installed.pop(name, []) if STATE.installed is not None else []
+    for patch in reversed(patches):
+        revert(patch)
+    reason = f"{name}: not installed: {error}"
+    if not isinstance(error, ImportError):
+        reason = f"{name}: not installed: {type(error).__name__}: {error}"
+    STATE.install_failures[name] = reason
+    remaining = ", ".join(STATE.installed or {}) or "none"
+    logger.error(
+        "ess-patch %s (rolled back after a late import; still installed: %s)", reason, remaining
+    )

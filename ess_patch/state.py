@@ -14,7 +14,17 @@ from typing import Any
 
 from .result import EssLrResult, check_scale
 
-__all__ = ["ROLES", "STATE", "arm", "armed", "disarm", "exclude", "reset", "set_role"]
+__all__ = [
+    "ROLES",
+    "STATE",
+    "arm",
+    "armed",
+    "disarm",
+    "exclude",
+    "note_attached",
+    "reset",
+    "set_role",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +45,14 @@ class _EssState:
     installed: dict[str, list[Any]] | None = None
     hooks_registered: set[str] = field(default_factory=set)
     config: Any = None
+    # integrations rolled back after a late import lacked a symbol: name -> reason
+    install_failures: dict[str, str] = field(default_factory=dict)
+    # what else applies an armed scale: attach()ed optimizers, vendored (patches/) steps
+    attached: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    attached_unreferenceable: bool = False
+    vendored_steps: bool = False
+    # arm() with nothing to apply it: warned once (reset() re-arms the warning)
+    warned_no_effect: bool = False
     # what the start-up auto-install did in this process (site may run the .pth twice)
     autoinstall: str | None = None
     local: threading.local = field(default_factory=threading.local)
@@ -51,6 +69,7 @@ def reset() -> None:
     STATE.excluded = weakref.WeakSet()
     STATE.local = threading.local()
     STATE.autoinstall = None
+    STATE.warned_no_effect = False
 
 
 def arm(result_or_scale: EssLrResult | float) -> EssLrResult:
@@ -64,10 +83,37 @@ def arm(result_or_scale: EssLrResult | float) -> EssLrResult:
     else:
         result = EssLrResult.from_scale(result_or_scale)
     STATE.armed = result
+    _warn_if_nothing_applies()
     logger.debug(
         "armed ESS-LR scale %.6g (rho %.6g, status %s)", result.scale, result.rho, result.status
     )
     return result
+
+
+def note_attached(optimizer: Any) -> None:
+    """Record that ``optimizer`` applies armed scales (``attach``), for :func:`arm`'s warning."""
+    try:
+        STATE.attached.add(optimizer)
+    except TypeError:  # not weak-referenceable: remember that something is attached
+        STATE.attached_unreferenceable = True
+
+
+def _warn_if_nothing_applies() -> None:
+    # Nothing reads STATE.armed unless install() wrapped something, an optimizer was
+    # attached, or a vendored tree decorated its optimizer steps: say so, once.
+    if STATE.warned_no_effect:
+        return
+    if STATE.installed is not None or STATE.vendored_steps or STATE.attached_unreferenceable:
+        return
+    if len(STATE.attached) > 0:
+        return
+    STATE.warned_no_effect = True
+    logger.warning(
+        "ess_patch.arm(): nothing in this process applies the armed scale (install() was not "
+        "called, no optimizer is attach()ed, no vendored optimizer step): optimizer steps use "
+        "the scheduled LR unchanged. Call ess_patch.install() or ess_patch.attach(optimizer) "
+        "first. (Said once per process.)"
+    )
 
 
 def armed() -> EssLrResult | None:

@@ -18,6 +18,7 @@ from .integrations.miles import MILES_FRAMEWORK
 from .integrations.optimizer_step import step_wrapper
 from .integrations.rl_hooks import advantage_wrapper, parse_args_wrapper
 from .integrations.slime import SLIME_FRAMEWORK
+from .state import STATE
 
 __all__ = [
     "CALL_SITES",
@@ -41,6 +42,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def optimizer_step(method: F) -> F:
     """Decorate an optimizer's ``step`` / ``step_with_ready_grads`` (the megatron-core diff)."""
+    STATE.vendored_steps = True  # arm() then has an effect without install()
 
     @functools.wraps(method)
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
