@@ -149,6 +149,8 @@ def _targets(report: Report) -> None:
                 report.add(section, f"ok {target.path}: vendored diff applied (install() skips it)")
             elif is_ours(value):
                 report.add(section, f"ok {target.path}: wrapped by install() in this process")
+            elif name in failed_integrations():
+                report.add(section, f"-- {target.path}: not wrapped ({name} was rolled back)")
             else:
                 report.add(section, f"ok {target.path}: install() would wrap it")
 

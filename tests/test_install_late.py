@@ -129,3 +129,4 @@ def test_doctor_shows_the_rolled_back_integration(tmp_path):
     doctor = json.loads(next(x for x in out.splitlines() if x.startswith("DOCTOR "))[7:])
     assert res["failed"]["miles"] in doctor
     assert f"PROBLEM {res['failed']['miles']} (rolled back at import" in doctor
+    assert "-- miles.utils.arguments.parse_args: not wrapped (miles was rolled back)" in doctor
