@@ -17,7 +17,7 @@ from packaging.version import InvalidVersion, Version
 from .autoinstall import ENV as AUTO_ENV
 from .autoinstall import requested
 from .config import EssLrConfig
-from .install import INTEGRATIONS, is_installed
+from .install import INTEGRATIONS, failed_integrations, is_installed
 from .patching import MISSING, UNWRAPPED, VENDORED, WRAPPED, target_status
 
 __all__ = ["MINIMUM_VERSIONS", "Report", "collect", "findable", "render"]
@@ -137,6 +137,8 @@ def _targets(report: Report) -> None:
                 report.problem(
                     section, f"{target.path} is missing; supported: {integration.supported}"
                 )
+            elif status == UNWRAPPED and name in failed_integrations():
+                report.add(section, f"-- {target.path}: not wrapped ({name} was rolled back)")
             else:
                 report.add(section, _STATUS_LINE[status].format(path=target.path))
 
@@ -159,6 +161,9 @@ def _activation(report: Report) -> None:
     pth = [Path(d) / PTH for d in site.getsitepackages() if (Path(d) / PTH).exists()]
     wanted = requested()
     report.add(section, f"installed in this process: {'yes' if is_installed() else 'no'}")
+    for reason in failed_integrations().values():
+        # an integration rolled back when a library imported after install() lacked a symbol
+        report.problem(section, f"{reason} (rolled back at import; the others stay installed)")
     report.add(
         section,
         f"{AUTO_ENV}={os.environ.get(AUTO_ENV, '')!r} ({'on' if wanted is not None else 'off'})",

@@ -27,7 +27,14 @@ from .integrations.slime import SLIME
 from .patching import Patch, apply, revert
 from .state import STATE, disarm
 
-__all__ = ["INTEGRATIONS", "install", "installed_targets", "is_installed", "uninstall"]
+__all__ = [
+    "INTEGRATIONS",
+    "failed_integrations",
+    "install",
+    "installed_targets",
+    "is_installed",
+    "uninstall",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +54,8 @@ class _Installation:
     hooks_registered: set[str] = field(default_factory=set)
     # what the start-up auto-install did (site may run the .pth twice)
     autoinstall: str | None = None
+    # integrations rolled back after a late import lacked a symbol: name -> reason
+    failures: dict[str, str] = field(default_factory=dict)
 
 
 INSTALLATION = _Installation()
@@ -72,6 +81,11 @@ def install(
         ValueError: an unknown integration name (the message lists the valid ones).
         MissingTargetError: a required symbol is missing in an imported library (names the
             symbol and the supported versions); nothing stays patched.
+
+    A library imported *later* that lacks a required symbol cannot raise here: that one
+    integration is rolled back (its wraps removed, its later modules left alone), the host's
+    import goes on, and the reason is logged and kept for :func:`failed_integrations` and
+    ``ess-patch doctor``. The other integrations stay installed.
     """
     if INSTALLATION.patches is not None:
         logger.warning(
@@ -83,12 +97,13 @@ def install(
     names = _select(integrations)
     STATE.config = config if config is not None else EssLrConfig.from_env()
     INSTALLATION.patches = {name: [] for name in names}
+    INSTALLATION.failures = {}
     try:
         for name in names:
             _check_version(INTEGRATIONS[name])
             for module in INTEGRATIONS[name].modules:
                 if module in sys.modules:
-                    _on_import(sys.modules[module])
+                    _wrap(name, sys.modules[module])  # raises: install() fails as a whole
                 elif module not in INSTALLATION.hooks_registered:
                     INSTALLATION.hooks_registered.add(module)
                     wrapt.register_post_import_hook(_on_import, module)
@@ -107,6 +122,7 @@ def uninstall() -> None:
         for patch in reversed(patches):
             revert(patch)
     INSTALLATION.patches = None
+    INSTALLATION.failures = {}
     STATE.config = None
     disarm()
     logger.info("ess-patch uninstalled")
@@ -122,6 +138,12 @@ def installed_targets() -> list[str]:
     if INSTALLATION.patches is None:
         return []
     return [p.target.path for patches in INSTALLATION.patches.values() for p in patches]
+
+
+def failed_integrations() -> dict[str, str]:
+    """Integrations rolled back because a library imported after ``install()`` lacked a
+    required symbol: name -> the reason (names the symbol and the supported versions)."""
+    return dict(INSTALLATION.failures)
 
 
 def _select(integrations: Iterable[str] | str | None) -> list[str]:
@@ -163,16 +185,47 @@ def _check_version(integration: Integration) -> None:
 
 
 def _on_import(module: ModuleType) -> None:
-    """Wrap the targets in ``module`` for every installed integration (idempotent)."""
+    """Post-import hook: wrap the targets in ``module`` for every installed integration.
+
+    Runs inside the host's ``import``: it never raises. An integration that cannot wrap this
+    module is rolled back (see :func:`_roll_back`); the others go on.
+    """
     if INSTALLATION.patches is None:  # hook left over from an uninstalled install
         return
-    for name, patches in INSTALLATION.patches.items():
-        integration = INTEGRATIONS[name]
-        for target in integration.targets:
-            if target.module == module.__name__:
-                supported = " ".join(
-                    filter(None, (integration.distribution, integration.supported))
-                )
-                patch = apply(target, supported)
-                if patch is not None:
-                    patches.append(patch)
+    for name in list(INSTALLATION.patches):
+        try:
+            _wrap(name, module)
+        except Exception as exc:  # the host's import must not fail because of ess-patch
+            _roll_back(name, exc)
+
+
+def _wrap(name: str, module: ModuleType) -> None:
+    """Wrap the targets of integration ``name`` that live in ``module`` (idempotent).
+
+    Raises:
+        MissingTargetError: a required target is missing (its earlier wraps stay recorded).
+    """
+    integration = INTEGRATIONS[name]
+    patches = INSTALLATION.patches[name]  # type: ignore[index]
+    supported = " ".join(filter(None, (integration.distribution, integration.supported)))
+    for target in integration.targets:
+        if target.module == module.__name__:
+            patch = apply(target, supported)
+            if patch is not None:
+                patches.append(patch)
+
+
+def _roll_back(name: str, error: BaseException) -> None:
+    """Take integration ``name`` out of this install: unwrap everything it wrapped (exact
+    originals back), wrap none of its modules imported later, record and log why."""
+    patches = INSTALLATION.patches.pop(name, []) if INSTALLATION.patches is not None else []
+    for patch in reversed(patches):
+        revert(patch)
+    reason = f"{name}: not installed: {error}"
+    if not isinstance(error, ImportError):
+        reason = f"{name}: not installed: {type(error).__name__}: {error}"
+    INSTALLATION.failures[name] = reason
+    remaining = ", ".join(INSTALLATION.patches or {}) or "none"
+    logger.error(
+        "ess-patch %s (rolled back after a late import; still installed: %s)", reason, remaining
+    )

@@ -15,7 +15,17 @@ from typing import Any
 from .config import EssLrConfig
 from .result import EssLrResult, check_scale
 
-__all__ = ["ROLES", "STATE", "arm", "armed", "disarm", "exclude", "reset", "set_role"]
+__all__ = [
+    "ROLES",
+    "STATE",
+    "arm",
+    "armed",
+    "disarm",
+    "exclude",
+    "note_attached",
+    "reset",
+    "set_role",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +43,12 @@ class _EssState:
     excluded: weakref.WeakSet = field(default_factory=weakref.WeakSet)
     # the settings install() was given, for hosts whose args lack the --ess-lr-* flags
     config: EssLrConfig | None = None
+    # what else applies an armed scale: attach()ed optimizers, vendored (patches/) steps
+    attached: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    attached_unreferenceable: bool = False
+    vendored_steps: bool = False
+    # arm() with nothing to apply it: warned once (reset() re-arms the warning)
+    warned_no_effect: bool = False
     local: threading.local = field(default_factory=threading.local)
 
 
@@ -46,6 +62,7 @@ def reset() -> None:
     STATE.role = "policy"
     STATE.excluded = weakref.WeakSet()
     STATE.local = threading.local()
+    STATE.warned_no_effect = False
 
 
 def arm(result_or_scale: EssLrResult | float) -> EssLrResult:
@@ -59,10 +76,38 @@ def arm(result_or_scale: EssLrResult | float) -> EssLrResult:
     else:
         result = EssLrResult.from_scale(result_or_scale)
     STATE.armed = result
+    _warn_if_nothing_applies()
     logger.debug(
         "armed ESS-LR scale %.6g (rho %.6g, status %s)", result.scale, result.rho, result.status
     )
     return result
+
+
+def note_attached(optimizer: Any) -> None:
+    """Record that ``optimizer`` applies armed scales (``attach``), for :func:`arm`'s warning."""
+    try:
+        STATE.attached.add(optimizer)
+    except TypeError:  # not weak-referenceable: remember that something is attached
+        STATE.attached_unreferenceable = True
+
+
+def _warn_if_nothing_applies() -> None:
+    # Nothing reads STATE.armed unless install() wrapped something, an optimizer was
+    # attached, or a vendored tree decorated its optimizer steps: say so, once.
+    if STATE.warned_no_effect:
+        return
+    # install() sets config and uninstall() clears it: config is set while install() is in effect
+    if STATE.config is not None or STATE.vendored_steps or STATE.attached_unreferenceable:
+        return
+    if len(STATE.attached) > 0:
+        return
+    STATE.warned_no_effect = True
+    logger.warning(
+        "ess_patch.arm(): nothing in this process applies the armed scale (install() was not "
+        "called, no optimizer is attach()ed, no vendored optimizer step): optimizer steps use "
+        "the scheduled LR unchanged. Call ess_patch.install() or ess_patch.attach(optimizer) "
+        "first. (Said once per process.)"
+    )
 
 
 def armed() -> EssLrResult | None:

@@ -23,6 +23,7 @@ from .integrations.rl_hooks import advantage_wrapper, parse_args_wrapper
 from .integrations.slime import SLIME, SLIME_FRAMEWORK
 from .lr import step_wrapper
 from .patching import VENDORED_MARK, is_vendored
+from .state import STATE
 
 __all__ = [
     "CALL_SITES",
@@ -76,7 +77,15 @@ def _method_hook(wrapper: Callable[..., Any]) -> Callable[[F], F]:
 
 
 #: megatron-core: on every optimizer ``step`` / ``step_with_ready_grads`` install() wraps.
-optimizer_step = _method_hook(step_wrapper)
+_optimizer_step_hook = _method_hook(step_wrapper)
+
+
+def optimizer_step(method: F) -> F:
+    """Decorate an optimizer's ``step`` / ``step_with_ready_grads`` (the megatron-core diff)."""
+    STATE.vendored_steps = True  # arm() then has an effect without install()
+    return _optimizer_step_hook(method)
+
+
 #: miles ``utils/arguments.py``: ``@miles_parse_args`` on ``parse_args``.
 miles_parse_args = _function_hook(parse_args_wrapper(MILES_FRAMEWORK))
 #: miles ``training_utils/loss.py``: on ``compute_advantages_and_returns``.

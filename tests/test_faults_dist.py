@@ -6,11 +6,18 @@ The rank that fails catches its error and stays alive, as a Ray actor would, so 
 left waiting in a collective would show as a timeout, not as "connection closed". After
 each fault every rank must hold the expected error, nothing armed (the previous rollout's
 scale included), and the ranks re-synchronise on a barrier before the next fault.
+
+In every layout each rank also holds a real megatron-core optimizer (``install("megatron")``,
+SGD, LR scheduler): before each rollout it has gradients and the previous rollout's scale
+0.5 armed; after a failed rollout its parameters, LRs and optimizer state are bitwise what
+they were, and its next ``step()`` is the plain SGD update at the scheduled LR (after a
+healthy rollout: at the scheduled LR times that rollout's scale).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import pytest
@@ -18,8 +25,17 @@ import torch
 import torch.distributed as dist
 from dist_helpers import cp_local, dp_shard, make_batch
 from harness import layout, run_ranks
+from megatron_cpu import (
+    batch,
+    build_megatron_optimizer,
+    forward_backward,
+    param_triples,
+    snapshot,
+    snapshots_equal,
+)
 
 import ess_patch
+from ess_patch.demo.cpu import megatron_on_cpu
 from ess_patch.integrations.rl_hooks import Framework, Groups, arm_from_rollout
 
 pytestmark = pytest.mark.dist
@@ -80,24 +96,62 @@ def _rollout(lay, fault: str | None, faulty: bool) -> tuple[argparse.Namespace, 
     return args, data
 
 
-def rank_faults(faulty_rank: int):
-    """Per fault: (error type name or None, message head, seconds, armed after)."""
+def _step_is_plain_sgd(setup, scale: float) -> bool:
+    """``optimizer.step()``, then: is every update ``p - lr * scale * grad`` exactly (lr the
+    scheduled one, restored in the group afterwards)? Then the scheduler steps."""
+    before = [(g["lr"], p.detach().clone()) for g, p, _ in param_triples(setup.optimizer)]
+    ok, _, _ = setup.optimizer.step()
+    exact = bool(ok)
+    for (lr, p0), (group, p1, _) in zip(before, param_triples(setup.optimizer), strict=True):
+        exact &= p1.grad is not None and bool(p1.grad.abs().sum() > 0)
+        exact &= torch.equal(p1.detach(), p0.add(p1.grad, alpha=-(lr * scale)))
+        exact &= group["lr"] == lr
+    setup.scheduler.step(increment=1)
+    return exact
+
+
+def rank_faults(faulty_rank: int, with_optimizer: bool = False):
+    """Per fault: (error type name or None, message head, seconds, armed after, optimizer
+    untouched by the rollout, next step exact) -- the last two None without an optimizer."""
     lay = layout()
     framework = _framework(lay)
     out = {}
-    for fault in (None, *FAULTS):
-        ess_patch.arm(0.5)  # the "previous rollout": must not survive a failed one
-        args, data = _rollout(lay, fault, lay.rank == faulty_rank)
-        start = time.monotonic()
-        try:
-            result = arm_from_rollout(framework, args, data)
-            outcome = (None, result.status)
-        except Exception as exc:  # stay alive, as a Ray actor does
-            outcome = (type(exc).__name__, str(exc)[:200])
-        elapsed = time.monotonic() - start
-        armed = ess_patch.armed()
-        out[fault] = (*outcome, elapsed, None if armed is None else armed.scale)
-        dist.barrier()  # every rank got here: nobody is stuck in a collective
+    with megatron_on_cpu() if with_optimizer else contextlib.nullcontext():
+        setup = None
+        if with_optimizer:
+            ess_patch.install("megatron")
+            setup = build_megatron_optimizer("multi_fp32", optimizer="sgd")
+        for index, fault in enumerate((None, *FAULTS)):
+            before = None
+            if setup is not None:
+                forward_backward(setup, *batch(lay.rank, index))
+                before = snapshot(setup)
+            ess_patch.arm(0.5)  # the "previous rollout": must not survive a failed one
+            args, data = _rollout(lay, fault, lay.rank == faulty_rank)
+            start = time.monotonic()
+            result = None
+            try:
+                result = arm_from_rollout(framework, args, data)
+                outcome = (None, result.status)
+            except Exception as exc:  # stay alive, as a Ray actor does
+                outcome = (type(exc).__name__, str(exc)[:200])
+            elapsed = time.monotonic() - start
+            armed = ess_patch.armed()
+            untouched = step_exact = None
+            if setup is not None:
+                untouched = snapshots_equal(before, snapshot(setup))
+                step_exact = _step_is_plain_sgd(setup, 1.0 if result is None else result.scale)
+            out[fault] = (
+                *outcome,
+                elapsed,
+                None if armed is None else armed.scale,
+                untouched,
+                step_exact,
+                None if result is None else result.scale,
+            )
+            dist.barrier()  # every rank got here: nobody is stuck in a collective
+        if with_optimizer:
+            ess_patch.uninstall()
     ess_patch.disarm()
     return out
 
@@ -123,24 +177,36 @@ def _expect(fault: str, rank: int, faulty: int, lay: tuple[int, int, int]) -> se
 
 
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)]
+# the layouts whose ranks also hold a real megatron optimizer (cheap: all of them)
+WITH_OPTIMIZER = set(LAYOUTS)
 
 
 @pytest.mark.parametrize(("dp", "cp", "pp"), LAYOUTS, ids=lambda v: str(v))
 def test_every_fault_reaches_every_rank(tmp_path, dp, cp, pp):
     world = dp * cp * pp
     faulty = world - 1  # a rank of the last pipeline stage: the one with log-probs
+    with_optimizer = (dp, cp, pp) in WITH_OPTIMIZER
     results = run_ranks(
         rank_faults,
         dp=dp,
         cp=cp,
         pp=pp,
-        args=(faulty,),
+        args=(faulty, with_optimizer),
         tmp_path=tmp_path,
         timeout=150,
         collective_timeout=COLLECTIVE_TIMEOUT,
     )
     healthy = {r[None][1] for r in results}
     assert healthy == {"ok"}, results[0][None]
+    if with_optimizer:
+        scales = {r[None][6] for r in results}
+        assert len(scales) == 1 and scales.pop() < 1.0  # the healthy step is really scaled
+        for fault in (None, *FAULTS):
+            for rank, r in enumerate(results):
+                # the rollout, failed or not, touched no parameter, LR or optimizer state;
+                # the next step used the scheduled LR (times the scale only if it succeeded)
+                assert r[fault][4] is True, (fault, rank, "optimizer changed by the rollout")
+                assert r[fault][5] is True, (fault, rank, "next step not the expected SGD")
     for fault in FAULTS:
         if fault in ("count", "index") and cp == 1:
             continue  # without CP: valid input (fewer samples), or no mask slicing at all
@@ -149,7 +215,7 @@ def test_every_fault_reaches_every_rank(tmp_path, dp, cp, pp):
             assert {r[fault][1] for r in results} == {"missing"}, [r[fault] for r in results]
             continue
         for rank, r in enumerate(results):
-            kind, message, elapsed, armed = r[fault]
+            kind, message, elapsed, armed = r[fault][:4]
             if fault != "config" and kind == "ConfigMismatchError":
                 pytest.fail(f"{fault}: rank {rank} got {message}")
             expected = _expect(fault, rank, faulty, (dp, cp, pp))
