@@ -14,7 +14,7 @@ import wrapt
 from .integrations.optimizer_step import step_wrapper
 from .lr import scaled_lr
 from .patching import is_ours
-from .state import STATE, scale_for
+from .state import STATE, begin_step
 
 __all__ = ["attach", "detach"]
 
@@ -100,7 +100,7 @@ def _pre_step(optimizer: Any, _args: tuple, _kwargs: dict) -> None:
     _restore_pending(optimizer)
     if STATE.armed is None:
         return
-    scale = scale_for(optimizer)
+    scale = begin_step(optimizer)
     if scale is None or scale == 1.0:
         return
     block = scaled_lr(optimizer, scale)
