@@ -55,6 +55,11 @@ def miles_steps(args: Any, rollout_data: dict, dp_size: int) -> list[list[int]]:
         return schedule_steps(rollout_data["num_microbatches"], rollout_data["micro_batch_indices"])
     num_samples = len(rollout_data["total_lengths"])
     global_batch = rollout_data.get("dynamic_global_batch_size", args.global_batch_size)
+    if not isinstance(global_batch, int):
+        raise ValueError(
+            f"args.global_batch_size is {global_batch!r}: ess-patch cannot split the rollout into "
+            "miles' optimizer steps (granularity 'step') without it"
+        )
     local = global_batch // dp_size
     if local <= 0:
         raise ValueError(
