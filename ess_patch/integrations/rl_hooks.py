@@ -314,16 +314,17 @@ def advantage_wrapper(framework: Framework) -> Callable[..., Any]:
     return wrapper
 
 
-def arm_from_rollout(framework: Framework, args: Any, rollout_data: dict) -> EssLrResult:
-    """Compute this rollout's ESS on every rank of the actor and arm it.
+def arm_from_rollout(framework: Framework, args: Any, rollout_data: dict) -> EssLrResult | None:
+    """Compute this rollout's ESS on every rank of the actor and arm it (granularity "step":
+    one result per optimizer step); returns what the next step uses (None: a rollout of no step).
 
     Whatever fails on one rank (a missing key, bad inputs, a non-finite log-prob) fails on
     every rank of the actor, CP, DP and PP alike, and leaves nothing armed.
     """
     disarm()  # a failed rollout must not leave the previous rollout's scale armed
     if config_from_args(args).granularity == "step":
-        steps = arm_steps(compute_steps_from_rollout(framework, args, rollout_data))
-        return steps[0] if steps else EssLrResult.noop("no_valid")
+        arm_steps(compute_steps_from_rollout(framework, args, rollout_data))
+        return armed()
     return arm(compute_from_rollout(framework, args, rollout_data))
 
 
