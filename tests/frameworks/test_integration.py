@@ -317,6 +317,65 @@ def test_advantage_hook_arms_the_reference_scale_on_every_rank(fw, tmp_path):
         assert r["critic_role"] == "critic"
 
 
+def rank_advantage_hook_steps(fw: str) -> dict:
+    """Granularity step through the real advantage routine: this rank's 4 samples (global
+    ``dp_rank + 2k``) in two optimizer steps of the rollout-side schedule both frameworks read
+    (``num_microbatches``, ``micro_batch_indices``): step 0 = global samples 0-3, step 1 = 4-7."""
+    from megatron.core import parallel_state as mpu
+
+    if fw == "miles":
+        import miles.backends.training_utils.loss as loss
+        from miles.backends.training_utils.cp_utils import slice_log_prob_with_cp
+
+        miles_parallel_state()
+    else:
+        import slime.backends.megatron_utils.loss as loss
+        from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
+    dp_rank = mpu.get_data_parallel_rank(with_context_parallel=False)
+    dp_size = mpu.get_data_parallel_world_size(with_context_parallel=False)
+    mine, batch = _local_batch(slice_log_prob_with_cp, dp_rank, dp_size)
+    batch["num_microbatches"] = [1, 1]
+    batch["micro_batch_indices"] = [[0, 1], [2, 3]]
+    _install(fw)
+    args = _host_args(fw, True)
+    args.ess_lr_granularity = "step"
+    _, calls = _advantages(loss.compute_advantages_and_returns, args, batch)
+    steps = ess_patch.armed_steps()
+    if not VENDORED:
+        ess_patch.uninstall()
+    return {
+        "mine": mine,
+        "calls": calls,
+        "steps": None if steps is None else [(r.scale, r.rho, r.status) for r in steps],
+    }
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("fw", _framework_params(LOSS))
+def test_advantage_hook_in_step_mode_arms_each_steps_reference_on_every_rank(fw, tmp_path):
+    results = run_ranks(rank_advantage_hook_steps, dp=DP, cp=CP, args=(fw,), tmp_path=tmp_path)
+    assert {tuple(r["mine"]) for r in results} == {(0, 2, 4, 6), (1, 3, 5, 7)}
+    full = _rollout()
+    refs = reference_steps(
+        [s["log_probs"] for s in full],
+        [s["rollout_log_probs"] for s in full],
+        [s["loss_mask"] for s in full],
+        [[0, 1, 2, 3], [4, 5, 6, 7]],
+        mode="product",
+    )
+    armed = {tuple(r["steps"]) for r in results}
+    assert len(armed) == 1, armed  # every rank armed exactly the same two results
+    steps = armed.pop()
+    assert len(steps) == 2
+    for (scale, rho, status), ref in zip(steps, refs, strict=True):
+        assert status == "ok"
+        assert rho == pytest.approx(ref["rho"], rel=1e-6)
+        assert scale == pytest.approx(ref["scale"], rel=1e-6)
+    assert steps[0][0] != pytest.approx(steps[1][0], rel=1e-3)  # two steps, two scales
+    for r in results:  # CP: envelopes + table; DP: step counts + one [2 x summary] gather
+        assert r["calls"][-4:] == ["all_gather", "all_reduce", "all_gather", "all_gather"]
+
+
 # --- the train step, logging, FSDP ------------------------------------------------------------
 
 
