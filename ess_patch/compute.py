@@ -188,16 +188,19 @@ def _reduce(
     # The data-parallel rank names the culprit identically on every CP peer of the batch.
     dp_rank = dist.get_rank(dp_group) if dp_size > 1 else 0
     if steps is not None and dp_size > 1:
-        # the payload's size depends on the step count: agree on it first
-        counts = exchange_envelopes(
-            envelope(
-                failed=failed, rows=-1 if step_lists is None else len(step_lists), config=config
-            ),
+        # The payload's size depends on the step count: agree on it first. Shaped like the
+        # rollout granularity's one DP gather (summary, envelope), so that a rank running the
+        # other granularity meets the same sizes and both raise ConfigMismatchError.
+        count = envelope(
+            failed=failed, rows=-1 if step_lists is None else len(step_lists), config=config
+        )
+        rows = all_gather_rows(
+            torch.cat([torch.zeros(estimator.SUMMARY_SIZE, dtype=torch.float64), count]),
             dp_group,
             "DP",
         )
         if not failed:
-            fault = check_step_counts(counts, "DP")
+            fault = check_step_counts(rows[:, estimator.SUMMARY_SIZE :], "DP")
             failed = fault is not None
     summary: torch.Tensor | None = None  # [S, SUMMARY_SIZE]
     if not failed and stats is not None:

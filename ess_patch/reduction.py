@@ -267,9 +267,15 @@ def broadcast_steps_from_last_stage(
             "passed no results; it must compute them (compute_ess_lr_steps) before broadcasting"
         )
     rows = len(results) if is_last and error is None else 0  # type: ignore[arg-type]
-    envelopes = all_gather_rows(
-        envelope(failed=error is not None, rows=rows, config=config), pp_group, "PP"
+    # shaped like broadcast_from_last_stage's one gather (envelope, result), so that a stage
+    # running the other granularity meets the same sizes and both raise ConfigMismatchError
+    first = torch.cat(
+        [
+            envelope(failed=error is not None, rows=rows, config=config),
+            torch.zeros(ENCODED_SIZE, dtype=torch.float64),
+        ]
     )
+    envelopes = all_gather_rows(first, pp_group, "PP")[:, :ENVELOPE_SIZE]
     if error is not None:
         raise error
     fault = check_envelopes(envelopes, "PP")

@@ -15,7 +15,13 @@ from harness import layout, run_ranks
 from reference import reference_steps
 from test_reduction_dist import CollectiveCounter, cp_local, dp_shard, make_batch
 
-from ess_patch import EssLrConfig, broadcast_steps_from_last_stage, compute_ess_lr_steps
+from ess_patch import (
+    EssLrConfig,
+    broadcast_from_last_stage,
+    broadcast_steps_from_last_stage,
+    compute_ess_lr,
+    compute_ess_lr_steps,
+)
 
 pytestmark = pytest.mark.dist
 
@@ -58,23 +64,27 @@ def rank_steps(seed, *, fault=None, faulty_rank=None):
             my_steps = [*steps, []]
         with CollectiveCounter() as counter:
             results, error = None, None
+            # a rank on the other granularity takes the other path, as the hook would
+            rollout = config.granularity == "rollout"
+            groups = {"cp_group": lay.cp_group, "dp_group": lay.dp_group}
             try:
-                if lay.is_pp_last:
+                if lay.is_pp_last and rollout:
+                    results = compute_ess_lr(lp, rlp, masks, config=config, **groups)
+                elif lay.is_pp_last:
                     results = compute_ess_lr_steps(
-                        lp,
-                        rlp,
-                        masks,
-                        my_steps,
-                        config=config,
-                        cp_group=lay.cp_group,
-                        dp_group=lay.dp_group,
+                        lp, rlp, masks, my_steps, config=config, **groups
                     )
             except ValueError as exc:
                 error = exc  # as the hook does: the other stages learn it in the broadcast
             try:
-                results = broadcast_steps_from_last_stage(
-                    results, lay.pp_group, config=config, error=error
-                )
+                if rollout:
+                    results = [
+                        broadcast_from_last_stage(results, lay.pp_group, config=config, error=error)
+                    ]
+                else:
+                    results = broadcast_steps_from_last_stage(
+                        results, lay.pp_group, config=config, error=error
+                    )
                 value = [dataclasses.asdict(r) for r in results]
             except ValueError as exc:
                 value = {"error": type(exc).__name__, "message": str(exc)}
@@ -143,16 +153,20 @@ def test_a_rank_with_other_settings_or_steps_fails_every_rank(tmp_path, fault, e
         assert got["error"] == error and message in got["message"], got
 
 
-def test_a_last_stage_fault_reaches_the_other_pipeline_stage(tmp_path):
-    # DP2 x PP2: rank 3 (DP rank 1 of the last stage) splits into one step more
+@pytest.mark.parametrize(
+    ("fault", "error"), [("count", "ValueError"), ("granularity", "ConfigMismatchError")]
+)
+def test_a_last_stage_fault_reaches_the_other_pipeline_stage(tmp_path, fault, error):
+    # DP2 x PP2: rank 3 (DP rank 1 of the last stage) splits into one step more, or runs the
+    # rollout granularity (other collectives: the first ones are shaped alike, so no hang)
     results = run_ranks(
         rank_steps,
         dp=2,
         pp=2,
         args=(7,),
-        kwargs={"fault": "count", "faulty_rank": 3},
+        kwargs={"fault": fault, "faulty_rank": 3},
         tmp_path=tmp_path,
     )
     kinds = [r[("product", 3.0)]["results"]["error"] for r in results]
-    assert kinds[2:] == ["ValueError", "ValueError"]  # the last stage: the step counts
+    assert kinds[2:] == [error, error]  # the last stage: the step counts / the settings
     assert kinds[:2] == ["InvalidInputsElsewhereError"] * 2  # the first stage learns it failed
