@@ -71,6 +71,9 @@ class EssLrConfig:
     #: Compute and log everything every rollout, but never change an LR (``--ess-lr-shadow``).
     shadow: bool = False
     #: "rollout" (default) or "step": see :data:`GRANULARITIES` (``--ess-lr-granularity``).
+    #: Read by the miles/slime integrations; with the library, "step" means calling
+    #: ``compute_ess_lr_steps`` and ``arm_steps`` (``compute_ess_lr`` reads every trajectory
+    #: it is given). In the fingerprint, so ranks that disagree all raise.
     granularity: str = "rollout"
     #: Clip each trajectory weight to ``min(w_i, weight_clip)`` before the ESS (VCPO's
     #: ``use_clipped`` with ``rollout_is_threshold``); None (default) = no clipping.
