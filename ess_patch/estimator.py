@@ -18,6 +18,7 @@ not depend on the number of trajectories (one kernel launch each on a GPU).
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -299,15 +300,19 @@ def validate_steps(steps: Sequence[Sequence[int]], num_trajectories: int) -> lis
         )
     out = []
     for s, indices in enumerate(steps):
-        if isinstance(indices, (str, bytes)) or not isinstance(indices, Sequence | range):
+        if isinstance(indices, str | bytes) or not isinstance(indices, Sequence):
             raise TypeError(
                 f"steps[{s}] is a {type(indices).__name__}; expected a sequence of trajectory "
                 "indices (ints)"
             )
         row = []
-        for i in indices:
-            if isinstance(i, bool) or not isinstance(i, int):
-                raise TypeError(f"steps[{s}] holds {i!r}; trajectory indices are ints")
+        for item in indices:
+            try:  # ints, numpy / 0-dim torch integers (schedules may arrive as either)
+                i = operator.index(item)
+            except TypeError:
+                i = None
+            if i is None or isinstance(item, bool):
+                raise TypeError(f"steps[{s}] holds {item!r}; trajectory indices are ints")
             if not 0 <= i < num_trajectories:
                 raise ValueError(
                     f"steps[{s}] holds trajectory index {i}, but this rank has "

@@ -196,6 +196,13 @@ def test_each_step_is_the_reference_over_its_own_trajectories(mode):
         assert got == compute_ess_lr(*pick, config=config)
 
 
+def test_steps_take_numpy_and_torch_integers():
+    np = pytest.importorskip("numpy")
+    batch = _batch([0.0, 2.0, 1.0])
+    plain = compute_ess_lr_steps(*batch, [[0, 1], [2]])
+    assert compute_ess_lr_steps(*batch, [[np.int64(0), torch.tensor(1)], (np.int32(2),)]) == plain
+
+
 def test_a_step_without_valid_trajectories_is_a_noop_and_steps_may_be_a_callable():
     lp, rlp, masks = _batch([0.0, 2.0, 1.0])
     masks[2] = torch.zeros(1)
@@ -224,6 +231,7 @@ def test_a_nonfinite_log_prob_names_its_sample_index_in_the_rollout():
         ([[0, 4]], ValueError, r"steps\[0\] holds trajectory index 4, but this rank has 3"),
         ([[0], [-1]], ValueError, r"steps\[1\] holds trajectory index -1"),
         ([[0], [1.0]], TypeError, r"steps\[1\] holds 1.0; trajectory indices are ints"),
+        ([[True]], TypeError, r"steps\[0\] holds True; trajectory indices are ints"),
         ([[0], 1], TypeError, r"steps\[1\] is a int"),
         (torch.tensor([[0]]), TypeError, "steps must be a sequence"),
         (lambda: 1 / 0, ZeroDivisionError, "division by zero"),
