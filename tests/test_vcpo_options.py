@@ -17,6 +17,8 @@ from argparse import Namespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from reference import reference_ess, reference_steps
 
 import ess_patch
@@ -192,6 +194,25 @@ def test_each_step_is_the_reference_over_its_own_trajectories(mode):
     assert len({r.scale for r in results}) == 3  # three different steps, three scales
     # exactly what compute_ess_lr gives on each step's samples alone
     for got, indices in zip(results, STEPS, strict=True):
+        pick = [[seq[i] for i in indices] for seq in (lp, rlp, masks)]
+        assert got == compute_ess_lr(*pick, config=config)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    assignment=st.lists(st.integers(-1, 3), min_size=1, max_size=24),
+    mode=st.sampled_from(["geometric", "product"]),
+    clip=st.sampled_from([None, 0.9, 2.0]),
+)
+def test_property_each_step_is_compute_ess_lr_on_its_samples(seed, assignment, mode, clip):
+    """Any split (trajectory i in step assignment[i], -1 = none): step s is exactly
+    compute_ess_lr on step s's trajectories, in their order."""
+    lp, rlp, masks = _random_batch(torch.Generator().manual_seed(seed), len(assignment))
+    steps = [[i for i, a in enumerate(assignment) if a == s] for s in range(4)]
+    config = EssLrConfig(weight_mode=mode, weight_clip=clip)
+    results = compute_ess_lr_steps(lp, rlp, masks, steps, config=config)
+    for got, indices in zip(results, steps, strict=True):
         pick = [[seq[i] for i in indices] for seq in (lp, rlp, masks)]
         assert got == compute_ess_lr(*pick, config=config)
 
