@@ -19,21 +19,27 @@ from .install import install, installed_targets, is_installed, uninstall
 from .lr import scaled_lr
 from .patching import MissingTargetError
 from .result import EssLrResult
-from .state import arm, armed, disarm, exclude, set_role
+from .state import StepCountError, arm, arm_steps, armed, armed_steps, disarm, exclude, set_role
 
 if TYPE_CHECKING:
-    from .compute import compute_ess_lr
+    from .compute import compute_ess_lr, compute_ess_lr_steps
     from .estimator import InvalidInputsElsewhereError, NonFiniteLogProbError
-    from .reduction import ConfigMismatchError, broadcast_from_last_stage
+    from .reduction import (
+        ConfigMismatchError,
+        broadcast_from_last_stage,
+        broadcast_steps_from_last_stage,
+    )
 
 # The names that need torch are imported on first use, so that `import ess_patch` and
 # install() stay cheap (the auto-install runs them in every process of a job).
 _LAZY = {
     "compute_ess_lr": "compute",
+    "compute_ess_lr_steps": "compute",
     "NonFiniteLogProbError": "estimator",
     "InvalidInputsElsewhereError": "estimator",
     "ConfigMismatchError": "reduction",
     "broadcast_from_last_stage": "reduction",
+    "broadcast_steps_from_last_stage": "reduction",
 }
 
 
@@ -56,12 +62,17 @@ __all__ = [
     "InvalidInputsElsewhereError",
     "MissingTargetError",
     "NonFiniteLogProbError",
+    "StepCountError",
     "__version__",
     "arm",
+    "arm_steps",
     "armed",
+    "armed_steps",
     "attach",
     "broadcast_from_last_stage",
+    "broadcast_steps_from_last_stage",
     "compute_ess_lr",
+    "compute_ess_lr_steps",
     "detach",
     "disarm",
     "exclude",

@@ -13,7 +13,7 @@ import wrapt
 
 from .lr import scaled_lr, step_wrapper
 from .patching import is_ours
-from .state import STATE, note_attached, scale_for
+from .state import STATE, begin_step, note_attached
 
 __all__ = ["attach", "detach"]
 
@@ -101,7 +101,7 @@ def _pre_step(optimizer: Any, _args: tuple, _kwargs: dict) -> None:
     _restore_pending(optimizer)
     if STATE.armed is None:
         return
-    scale = scale_for(optimizer)
+    scale = begin_step(optimizer)
     if scale is None or scale == 1.0:
         return
     block = scaled_lr(optimizer, scale)

@@ -14,13 +14,14 @@ from .reduction import (
     all_reduce_trajectory_stats,
     any_missing,
     check_envelopes,
+    check_step_counts,
     envelope,
     exchange_envelopes,
     group_size,
 )
 from .result import EssLrResult
 
-__all__ = ["compute_ess_lr"]
+__all__ = ["compute_ess_lr", "compute_ess_lr_steps"]
 
 
 @torch.no_grad()  # log-probs that require grad must not grow an autograd graph here
@@ -71,12 +72,85 @@ def compute_ess_lr(
             raised on every rank alike, naming the data-parallel rank and the sample index.
     """
     config = _check_config(config)
+    summaries = _reduce(
+        log_probs,
+        rollout_log_probs,
+        loss_masks,
+        None,
+        config=config,
+        cp_group=cp_group,
+        dp_group=dp_group,
+        prepare_masks=prepare_masks,
+    )
+    return estimator.finalize(estimator.combine(summaries[:, 0]), config)
+
+
+@torch.no_grad()
+def compute_ess_lr_steps(
+    log_probs: Sequence[torch.Tensor] | None,
+    rollout_log_probs: Sequence[torch.Tensor] | None,
+    loss_masks: Sequence[torch.Tensor] | None,
+    steps: Sequence[Sequence[int]] | Callable[[], Sequence[Sequence[int]]],
+    *,
+    config: EssLrConfig | None = None,
+    cp_group: object | None = None,
+    dp_group: object | None = None,
+    prepare_masks: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] | None = None,
+) -> list[EssLrResult]:
+    """One result per optimizer step (granularity ``"step"``), identical on every rank.
+
+    ``steps[s]`` lists the indices (into this rank's trajectories) of the samples optimizer
+    step ``s`` trains on (or ``steps`` is a zero-argument callable returning them, called
+    under the same error handling as the inputs, so that a failure to split reaches every
+    rank); result ``s`` is the ESS over those samples of every rank, as
+    :func:`compute_ess_lr` would give for them alone. A trajectory in no step counts nowhere.
+    Every rank passes the same number of steps (its own samples of each; a step may hold
+    none on a rank). The collectives are those of :func:`compute_ess_lr` for every step at
+    once: the CP table once, and, when DP > 1, an all-gather of the envelopes (with the step
+    counts) then one of the ``[steps x summary]`` rows.
+
+    Raises:
+        everything :func:`compute_ess_lr` raises, on the same ranks; ValueError / TypeError
+            for malformed ``steps`` (index out of range, not ints) on that rank, and on
+            every rank when the ranks' step counts differ.
+    """
+    config = _check_config(config)
+    summaries = _reduce(
+        log_probs,
+        rollout_log_probs,
+        loss_masks,
+        steps,
+        config=config,
+        cp_group=cp_group,
+        dp_group=dp_group,
+        prepare_masks=prepare_masks,
+    )
+    return [
+        estimator.finalize(estimator.combine(summaries[:, s]), config)
+        for s in range(summaries.shape[1])
+    ]
+
+
+def _reduce(
+    log_probs: Sequence[torch.Tensor] | None,
+    rollout_log_probs: Sequence[torch.Tensor] | None,
+    loss_masks: Sequence[torch.Tensor] | None,
+    steps: Sequence[Sequence[int]] | Callable[[], Sequence[Sequence[int]]] | None,
+    *,
+    config: EssLrConfig,
+    cp_group: object | None,
+    dp_group: object | None,
+    prepare_masks: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] | None,
+) -> torch.Tensor:
+    """Every DP rank's summary rows, ``[DP, S, SUMMARY_SIZE]`` (S = 1 when ``steps`` is None:
+    all trajectories), or the error every rank must raise."""
     cp_size = group_size(cp_group, "CP")
     dp_size = group_size(dp_group, "DP")
     distributed = cp_size > 1 or dp_size > 1
     missing = log_probs is None or rollout_log_probs is None
     error: BaseException | None = None
     stats: torch.Tensor | None = None
+    step_lists: list[list[int]] | None = None
     try:
         if prepare_masks is not None and loss_masks is not None:
             loss_masks = prepare_masks(loss_masks)
@@ -86,6 +160,9 @@ def compute_ess_lr(
             if loss_masks is None:
                 raise ValueError("loss_masks is None but log-probs were given; pass the masks too")
             stats = estimator.trajectory_stats(log_probs, rollout_log_probs, loss_masks)
+        if steps is not None:
+            split = steps() if callable(steps) else steps
+            step_lists = estimator.validate_steps(split, stats.shape[0])
     except Exception as exc:
         if not distributed:
             raise
@@ -110,22 +187,54 @@ def compute_ess_lr(
     failed = error is not None or fault is not None
     # The data-parallel rank names the culprit identically on every CP peer of the batch.
     dp_rank = dist.get_rank(dp_group) if dp_size > 1 else 0
-    if failed or stats is None:
-        summary = torch.zeros(estimator.SUMMARY_SIZE, dtype=torch.float64)
-    else:
+    if steps is not None and dp_size > 1:
+        # The payload's size depends on the step count: agree on it first. Shaped like the
+        # rollout granularity's one DP gather (summary, envelope), so that a rank running the
+        # other granularity meets the same sizes and both raise ConfigMismatchError.
+        count = envelope(
+            failed=failed, rows=-1 if step_lists is None else len(step_lists), config=config
+        )
+        rows = all_gather_rows(
+            torch.cat([torch.zeros(estimator.SUMMARY_SIZE, dtype=torch.float64), count]),
+            dp_group,
+            "DP",
+        )
+        if not failed:
+            fault = check_step_counts(rows[:, estimator.SUMMARY_SIZE :], "DP")
+            failed = fault is not None
+    summary: torch.Tensor | None = None  # [S, SUMMARY_SIZE]
+    if not failed and stats is not None:
         flags = estimator.Flags(missing=missing)
-        summary = estimator.summarize(stats, config, rank=dp_rank, flags=flags)
-    if dp_size > 1:
-        row = torch.cat([summary, envelope(failed=failed, config=config).to(summary.device)])
-        rows = all_gather_rows(row, dp_group, "DP")
+        if step_lists is None:
+            summary = estimator.summarize(stats, config, rank=dp_rank, flags=flags).unsqueeze(0)
+        else:
+            summary = estimator.summarize_steps(
+                stats, step_lists, config, rank=dp_rank, flags=flags
+            )
+    summaries = None if summary is None else summary.unsqueeze(0)
+    if dp_size > 1 and steps is None:
+        # one all-gather: the summary with this rank's envelope (zeros from a failed rank)
+        local = torch.zeros(estimator.SUMMARY_SIZE, dtype=torch.float64)
+        if summary is not None:
+            local = summary[0]
+        rows = all_gather_rows(
+            torch.cat([local, envelope(failed=failed, config=config).to(local.device)]),
+            dp_group,
+            "DP",
+        )
         if not failed:
             fault = check_envelopes(rows[:, estimator.SUMMARY_SIZE :], "DP")
-        summary = rows[:, : estimator.SUMMARY_SIZE]
+        summaries = rows[:, : estimator.SUMMARY_SIZE].unsqueeze(1)
+    elif dp_size > 1 and summary is not None and summary.shape[0]:
+        # steps: every rank gets here alike (the counts agreed, nobody failed)
+        rows = all_gather_rows(summary.reshape(-1), dp_group, "DP")
+        summaries = rows.reshape(dp_size, summary.shape[0], estimator.SUMMARY_SIZE)
     if error is not None:
         raise error
     if fault is not None:
         raise fault
-    return estimator.finalize(estimator.combine(summary), config)
+    assert summaries is not None
+    return summaries
 
 
 def _check_config(config: object) -> EssLrConfig:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 
 __all__ = [
     "FINGERPRINT_SIZE",
+    "GRANULARITIES",
     "NONFINITE_POLICIES",
     "RULES",
     "WEIGHT_MODES",
@@ -25,6 +26,10 @@ RULES = ("sqrt", "linear")
 #: "raise": a non-finite log-ratio raises on every rank, naming the rank and sample index.
 #: "floor": fail closed: the update still runs, at the floor LR, and the result says why.
 NONFINITE_POLICIES = ("raise", "floor")
+#: "rollout": one ESS over all the rollout's trajectories, for every optimizer step of it (the
+#: seed). "step": one ESS per optimizer step, over the trajectories of that step's mini-batch
+#: (VCPO's code); the host integration splits the rollout as its train loop does.
+GRANULARITIES = ("rollout", "step")
 
 _ENV_PREFIX = "ESS_LR_"
 
@@ -34,6 +39,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "weight_mode": WEIGHT_MODES,
     "rule": RULES,
     "nonfinite": NONFINITE_POLICIES,
+    "granularity": GRANULARITIES,
 }
 
 
@@ -49,7 +55,8 @@ def _choice(name: str, value: object, valid: tuple[str, ...]) -> str:
 class EssLrConfig:
     """How the ESS of a rollout becomes an LR scale.
 
-    ``scale = clamp(rule(rho / base_ratio), floor, 1)`` with ``rho = ESS / B``.
+    ``scale = clamp(rule(rho / base_ratio), floor, 1)`` with ``rho = ESS / B``, over the weights
+    ``w_i = exp(m_i)``, or ``min(w_i, weight_clip)`` when ``weight_clip`` is set.
 
     Raises:
         ValueError: a field is out of range or names an unknown mode (the message
@@ -63,6 +70,14 @@ class EssLrConfig:
     nonfinite: str = "raise"
     #: Compute and log everything every rollout, but never change an LR (``--ess-lr-shadow``).
     shadow: bool = False
+    #: "rollout" (default) or "step": see :data:`GRANULARITIES` (``--ess-lr-granularity``).
+    #: Read by the miles/slime integrations; with the library, "step" means calling
+    #: ``compute_ess_lr_steps`` and ``arm_steps`` (``compute_ess_lr`` reads every trajectory
+    #: it is given). In the fingerprint, so ranks that disagree all raise.
+    granularity: str = "rollout"
+    #: Clip each trajectory weight to ``min(w_i, weight_clip)`` before the ESS (VCPO's
+    #: ``use_clipped`` with ``rollout_is_threshold``); None (default) = no clipping.
+    weight_clip: float | None = None
 
     def __post_init__(self) -> None:
         floor = _as_float("floor", self.floor)
@@ -82,7 +97,9 @@ class EssLrConfig:
         _choice("weight_mode", self.weight_mode, WEIGHT_MODES)
         _choice("rule", self.rule, RULES)
         _choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        _choice("granularity", self.granularity, GRANULARITIES)
         object.__setattr__(self, "shadow", _as_bool("shadow", self.shadow))
+        object.__setattr__(self, "weight_clip", _weight_clip(self.weight_clip))
 
     def fingerprint(self) -> list[float]:
         """One float per field, equal on two ranks exactly when that field is equal.
@@ -95,8 +112,9 @@ class EssLrConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> EssLrConfig:
         """Build a config from ``ESS_LR_FLOOR``, ``ESS_LR_WEIGHT_MODE``, ``ESS_LR_RULE``,
-        ``ESS_LR_BASE_RATIO``, ``ESS_LR_NONFINITE``, ``ESS_LR_SHADOW`` (1/0/true/false);
-        explicit ``overrides`` win."""
+        ``ESS_LR_BASE_RATIO``, ``ESS_LR_NONFINITE``, ``ESS_LR_SHADOW`` (1/0/true/false),
+        ``ESS_LR_GRANULARITY``, ``ESS_LR_WEIGHT_CLIP`` (a number, or ``none``); explicit
+        ``overrides`` win."""
         env = os.environ if environ is None else environ
         values: dict[str, object] = {}
         for f in fields(cls):
@@ -117,6 +135,19 @@ def _as_float(name: str, value: object) -> float:
     if out != out:
         raise ValueError(f"EssLrConfig.{name} is NaN; give a number")
     return out
+
+
+def _weight_clip(value: object) -> float | None:
+    # from_env hands "none" over for "no clipping" (an empty variable is simply not read)
+    if value is None or (isinstance(value, str) and value.strip().lower() == "none"):
+        return None
+    clip = _as_float("weight_clip", value)
+    if not 0.0 < clip < math.inf:
+        raise ValueError(
+            f"EssLrConfig.weight_clip={value!r} must be a finite number > 0 (each trajectory "
+            "weight w_i = exp(m_i) becomes min(w_i, weight_clip)), or None for no clipping"
+        )
+    return clip
 
 
 _TRUE = ("1", "true")

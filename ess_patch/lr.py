@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from .result import check_scale
-from .state import STATE, scale_for
+from .state import STATE, begin_step
 
 __all__ = ["scaled_lr", "step_wrapper"]
 
@@ -67,7 +67,7 @@ def step_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
     # an excluded ChainedOptimizer's children must not scale themselves either.
     local.in_step = True
     try:
-        scale = scale_for(instance)
+        scale = begin_step(instance)  # once per real step (moves per-step results on)
         if scale is None or scale == 1.0:
             return wrapped(*args, **kwargs)
         with scaled_lr(instance, scale):

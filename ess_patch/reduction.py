@@ -25,7 +25,9 @@ __all__ = [
     "all_reduce_trajectory_stats",
     "any_missing",
     "broadcast_from_last_stage",
+    "broadcast_steps_from_last_stage",
     "check_envelopes",
+    "check_step_counts",
     "comm_device",
     "envelope",
     "exchange_envelopes",
@@ -211,3 +213,82 @@ def broadcast_from_last_stage(
     if fault is not None:
         raise fault
     return result if is_last else EssLrResult.decode(rows[-1, ENVELOPE_SIZE:].tolist())
+
+
+# --- granularity "step": one result per optimizer step ----------------------------------------
+
+
+def check_step_counts(envelopes: torch.Tensor, name: str) -> Exception | None:
+    """Like :func:`check_envelopes`, then: every rank must split the rollout into the same
+    number of optimizer steps (the ``rows`` of its envelope)."""
+    fault = check_envelopes(envelopes, name)
+    if fault is not None:
+        return fault
+    rows = envelopes.tolist()
+    if len({int(r[_ROWS]) for r in rows}) > 1:
+        counts = ", ".join(f"rank {int(r[_RANK])} has {int(r[_ROWS])}" for r in rows)
+        return ValueError(
+            f"the {name} ranks split the rollout into different numbers of optimizer steps "
+            f"({counts}); with granularity 'step' every rank passes one list of trajectory "
+            "indices per optimizer step, for the same steps"
+        )
+    return None
+
+
+def broadcast_steps_from_last_stage(
+    results: list[EssLrResult] | None,
+    pp_group: object | None,
+    *,
+    config: EssLrConfig | None = None,
+    error: BaseException | None = None,
+) -> list[EssLrResult]:
+    """:func:`broadcast_from_last_stage` for one result per optimizer step.
+
+    When PP > 1, two all-gathers: the envelopes (with the last stage's step count), then, if
+    no stage failed, the last stage's results.
+
+    Raises:
+        ValueError: the last stage (or a single-stage run) passed None without an error.
+        InvalidInputsElsewhereError / ConfigMismatchError: see :func:`check_envelopes`.
+    """
+    size = group_size(pp_group, "PP")
+    if size <= 1:
+        if error is not None:
+            raise error
+        if results is None:
+            raise ValueError(
+                "broadcast_steps_from_last_stage: the last pipeline stage passed no results"
+            )
+        return list(results)
+    is_last = dist.get_rank(pp_group) == size - 1
+    if is_last and results is None and error is None:
+        error = ValueError(
+            f"broadcast_steps_from_last_stage: the last pipeline stage (rank {dist.get_rank()}) "
+            "passed no results; it must compute them (compute_ess_lr_steps) before broadcasting"
+        )
+    rows = len(results) if is_last and error is None else 0  # type: ignore[arg-type]
+    # shaped like broadcast_from_last_stage's one gather (envelope, result), so that a stage
+    # running the other granularity meets the same sizes and both raise ConfigMismatchError
+    first = torch.cat(
+        [
+            envelope(failed=error is not None, rows=rows, config=config),
+            torch.zeros(ENCODED_SIZE, dtype=torch.float64),
+        ]
+    )
+    envelopes = all_gather_rows(first, pp_group, "PP")[:, :ENVELOPE_SIZE]
+    if error is not None:
+        raise error
+    fault = check_envelopes(envelopes, "PP")
+    if fault is not None:
+        raise fault
+    count = int(envelopes[-1, _ROWS])
+    if count == 0:  # every stage knows: no second collective
+        return []
+    payload = torch.zeros(count * ENCODED_SIZE, dtype=torch.float64)
+    if is_last:
+        payload = torch.tensor([v for r in results for v in r.encode()], dtype=torch.float64)  # type: ignore[union-attr]
+    gathered = all_gather_rows(payload, pp_group, "PP")
+    if is_last:
+        return list(results)  # type: ignore[arg-type]
+    values = gathered[-1].reshape(count, ENCODED_SIZE).tolist()
+    return [EssLrResult.decode(v) for v in values]

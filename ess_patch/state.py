@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,8 +19,12 @@ from .result import EssLrResult, check_scale
 __all__ = [
     "ROLES",
     "STATE",
+    "StepCountError",
     "arm",
+    "arm_steps",
     "armed",
+    "armed_steps",
+    "begin_step",
     "disarm",
     "exclude",
     "note_attached",
@@ -37,6 +42,10 @@ ROLES = ("policy", "critic")
 @dataclass
 class _EssState:
     armed: EssLrResult | None = None
+    # granularity "step": this rollout's results, one per optimizer step, and the index of the
+    # next step's; ``armed`` is then the current (or next) step's result
+    steps: tuple[EssLrResult, ...] | None = None
+    step_index: int = 0
     # shadow mode's last result: logged, never read by the optimizer wrappers
     shadow: EssLrResult | None = None
     role: str = "policy"
@@ -58,6 +67,8 @@ STATE = _EssState()
 def reset() -> None:
     """Forget everything armed or marked (does not unwrap patches: use ``uninstall``)."""
     STATE.armed = None
+    STATE.steps = None
+    STATE.step_index = 0
     STATE.shadow = None
     STATE.role = "policy"
     STATE.excluded = weakref.WeakSet()
@@ -75,6 +86,7 @@ def arm(result_or_scale: EssLrResult | float) -> EssLrResult:
         result = result_or_scale
     else:
         result = EssLrResult.from_scale(result_or_scale)
+    _drop_steps()
     STATE.armed = result
     _warn_if_nothing_applies()
     logger.debug(
@@ -117,7 +129,83 @@ def armed() -> EssLrResult | None:
 
 def disarm() -> None:
     """Reset to the no-op: the coming optimizer steps use the scheduled LR unchanged."""
+    _drop_steps()
     STATE.armed = None
+
+
+class StepCountError(RuntimeError):
+    """An optimizer step ran after every per-step result armed for the rollout was used."""
+
+
+def arm_steps(results: Sequence[EssLrResult | float]) -> tuple[EssLrResult, ...]:
+    """Arm one result (or bare scale) per coming optimizer step: granularity ``"step"``.
+
+    Each real optimizer update takes the next one, in order (:func:`begin_step`), whatever
+    the optimizer nesting; a step that is skipped on inf/nan grads (``(False, None, None)``)
+    still takes its own, since the results follow the mini-batches. ``armed()`` is the
+    current step's result (before the first step: the first one), so the metrics a host
+    logs after a step are that step's. An optimizer step after the last one raises
+    :class:`StepCountError` before anything changes; fewer steps than results is logged
+    (warning) when the next rollout arms. An empty sequence arms nothing.
+
+    Raises:
+        ValueError: a scale outside (0, 1] (nothing is armed).
+    """
+    items = tuple(r if isinstance(r, EssLrResult) else EssLrResult.from_scale(r) for r in results)
+    for item in items:
+        check_scale(item.scale)
+    _drop_steps()
+    STATE.steps = items or None
+    STATE.step_index = 0
+    STATE.armed = items[0] if items else None
+    logger.debug("armed %d per-step ESS-LR results", len(items))
+    return items
+
+
+def armed_steps() -> tuple[EssLrResult, ...] | None:
+    """The per-step results armed for this rollout (``arm_steps``), or None."""
+    return STATE.steps
+
+
+def begin_step(optimizer: Any) -> float | None:
+    """The scale for the optimizer step of ``optimizer`` that starts now, or None.
+
+    The step wrappers call it once per real step. With per-step results armed it moves
+    ``armed()`` to this step's result (an optimizer that is never scaled moves nothing).
+
+    Raises:
+        StepCountError: every per-step result of the rollout was already used.
+    """
+    if scale_for(optimizer) is None:
+        return None
+    steps = STATE.steps
+    if steps is not None:
+        index = STATE.step_index
+        if index >= len(steps):
+            raise StepCountError(
+                f"ESS-LR granularity 'step': optimizer step {index + 1} of this rollout has no "
+                f"result; {len(steps)} were armed, one per mini-batch the rollout was split into. "
+                "The train loop runs more optimizer steps per rollout than that split found "
+                "(check how the integration splits the rollout, or use granularity 'rollout'). "
+                "Nothing was updated"
+            )
+        STATE.armed = steps[index]
+        STATE.step_index = index + 1
+    return STATE.armed.scale if STATE.armed is not None else None
+
+
+def _drop_steps() -> None:
+    steps, used = STATE.steps, STATE.step_index
+    if steps is not None and used < len(steps):
+        logger.warning(
+            "ESS-LR granularity 'step': the last rollout had %d per-step results but only %d "
+            "optimizer step(s) used them (a train step that did not call optimizer.step()?); if "
+            "that step was not the last, the steps after it used their predecessors' results",
+            len(steps),
+            used,
+        )
+    STATE.steps = None
+    STATE.step_index = 0
 
 
 def set_role(role: str) -> None:

@@ -20,6 +20,7 @@ def reference_ess(
     floor=0.1,
     base_ratio=1.0,
     shift=False,
+    weight_clip=None,
 ):
     ms = []
     for lp, rlp, mask in zip(log_probs, rollout_log_probs, loss_masks, strict=True):
@@ -36,8 +37,26 @@ def reference_ess(
         return {"scale": 1.0, "rho": 1.0, "num_trajectories": 0}
     c = max(ms) if shift else 0.0
     w = [math.exp(m - c) for m in ms]
+    if weight_clip is not None:  # min(w_i, clip) on the true weights: shifted alike
+        w = [min(x, weight_clip * math.exp(-c)) for x in w]
     ess = math.fsum(w) ** 2 / math.fsum(x * x for x in w)
     rho = ess / len(ms)
     r = rho / base_ratio
     r = math.sqrt(r) if rule == "sqrt" else r
     return {"scale": min(1.0, max(floor, r)), "rho": rho, "ess": ess, "num_trajectories": len(ms)}
+
+
+def reference_steps(log_probs, rollout_log_probs, loss_masks, steps, **kwargs):
+    """Granularity "step": :func:`reference_ess` over each step's trajectories on its own.
+
+    ``steps[s]`` lists indices into the (global) lists; one result per step.
+    """
+    return [
+        reference_ess(
+            [log_probs[i] for i in indices],
+            [rollout_log_probs[i] for i in indices],
+            [loss_masks[i] for i in indices],
+            **kwargs,
+        )
+        for indices in steps
+    ]

@@ -26,6 +26,7 @@ from .rl_hooks import (
     ess_metrics,
     rollout_logprobs_only,
 )
+from .steps import miles_step_samples
 
 SUPPORTED = "miles @31f1ca961 (2026-08-21; later commits with the same functions)"
 
@@ -70,6 +71,7 @@ MILES_FRAMEWORK = Framework(
     groups=_groups,
     no_input_reason=_no_input_reason,
     unsupported_reason=_unsupported_reason,
+    step_samples=miles_step_samples,
 )
 
 

@@ -13,10 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
-from ..config import NONFINITE_POLICIES, RULES, WEIGHT_MODES, EssLrConfig
+from ..config import GRANULARITIES, NONFINITE_POLICIES, RULES, WEIGHT_MODES, EssLrConfig
 from ..patching import Target
 from ..result import EssLrResult
-from ..state import STATE, arm, armed, disarm, set_role
+from ..state import STATE, arm, arm_steps, armed, disarm, set_role
 
 __all__ = ["Framework", "Groups", "add_ess_arguments", "config_from_args"]
 
@@ -46,6 +46,9 @@ class Framework:
     no_input_reason: Callable[[argparse.Namespace], str | None]
     #: Why these args select a backend or mode the integration does not support.
     unsupported_reason: Callable[[argparse.Namespace], str | None]
+    #: ``(args, rollout_data) -> steps``: the indices of this rank's samples that each optimizer
+    #: step of the rollout trains on (granularity "step"); None: "step" is refused.
+    step_samples: Callable[[Any, dict], list[list[int]]] | None = None
 
 
 def rollout_logprobs_only(args: argparse.Namespace) -> str | None:
@@ -161,6 +164,20 @@ def _declare_ess_arguments(group: Any) -> None:
         "(train/ess_lr_shadow_scale) every rollout, but never change an LR. "
         "Use without --use-ess-lr.",
     )
+    group.add_argument(
+        "--ess-lr-granularity",
+        choices=GRANULARITIES,
+        default=None,  # None: not given, ESS_LR_GRANULARITY (via install's config) decides
+        help="'rollout' (default): one ESS over the whole rollout, for each of its optimizer "
+        "steps. 'step': one ESS per optimizer step over that step's mini-batch (VCPO's code).",
+    )
+    group.add_argument(
+        "--ess-lr-weight-clip",
+        type=_config_field("weight_clip"),
+        default=None,  # None: not given, ESS_LR_WEIGHT_CLIP (via install's config) decides
+        help="Clip each trajectory weight to min(w, this) before the ESS (VCPO's use_clipped "
+        "with rollout_is_threshold). Off by default.",
+    )
 
 
 def compose_custom_arguments(
@@ -213,7 +230,19 @@ def validate(framework: Framework, args: argparse.Namespace) -> None:
             f"({framework.name})"
         )
     flag = "--use-ess-lr" if enabled else "--ess-lr-shadow"
-    config_from_args(args)  # field checks (a floor set programmatically, not by the parser)
+    config = config_from_args(args)  # field checks (e.g. a floor set programmatically)
+    if config.granularity == "step":
+        if framework.step_samples is None:
+            raise ValueError(
+                f"{flag} with granularity 'step' (--ess-lr-granularity / ESS_LR_GRANULARITY) is "
+                f"not supported with {framework.name}: ess-patch does not know how its train "
+                "loop splits a rollout into optimizer steps. Use granularity 'rollout'"
+            )
+        if shadow:
+            raise ValueError(
+                "--ess-lr-shadow with granularity 'step' is not supported yet (shadow mode logs "
+                f"one result per rollout); use granularity 'rollout' ({framework.name})"
+            )
     reason = framework.unsupported_reason(args)
     if reason:
         raise ValueError(f"{flag} is not supported with {reason} ({framework.name})")
@@ -276,13 +305,17 @@ def advantage_wrapper(framework: Framework) -> Callable[..., Any]:
     return wrapper
 
 
-def arm_from_rollout(framework: Framework, args: Any, rollout_data: dict) -> EssLrResult:
-    """Compute this rollout's ESS on every rank of the actor and arm it.
+def arm_from_rollout(framework: Framework, args: Any, rollout_data: dict) -> EssLrResult | None:
+    """Compute this rollout's ESS on every rank of the actor and arm it (granularity "step":
+    one result per optimizer step); returns what the next step uses (None: a rollout of no step).
 
     Whatever fails on one rank (a missing key, bad inputs, a non-finite log-prob) fails on
     every rank of the actor, CP, DP and PP alike, and leaves nothing armed.
     """
     disarm()  # a failed rollout must not leave the previous rollout's scale armed
+    if config_from_args(args).granularity == "step":
+        arm_steps(compute_steps_from_rollout(framework, args, rollout_data))
+        return armed()
     return arm(compute_from_rollout(framework, args, rollout_data))
 
 
@@ -290,7 +323,6 @@ def compute_from_rollout(framework: Framework, args: Any, rollout_data: dict) ->
     """This rollout's result, identical on every rank of the actor (arms nothing)."""
     # Imported here: install() (run at start-up by the auto-install) must not import torch.
     from ..compute import compute_ess_lr
-    from ..cp_slicing import local_response_masks
     from ..reduction import broadcast_from_last_stage
 
     groups = framework.groups()
@@ -299,26 +331,6 @@ def compute_from_rollout(framework: Framework, args: Any, rollout_data: dict) ->
     error: BaseException | None = None
     try:
         if groups.is_pp_last:
-            prepare = None
-            if groups.cp_size > 1:
-
-                def prepare(masks: Any) -> list:
-                    # Raised here, a fault reaches every rank through the collectives.
-                    lengths = [rollout_data.get(k) for k in ("total_lengths", "response_lengths")]
-                    if None in lengths:
-                        raise ValueError(
-                            "rollout_data has loss_masks but no total_lengths/response_lengths: "
-                            "ESS-LR cannot slice the masks to this CP rank's tokens"
-                        )
-                    return local_response_masks(
-                        masks,
-                        *lengths,
-                        groups.cp_rank,
-                        groups.cp_size,
-                        qkv_format=getattr(args, "qkv_format", "thd"),
-                        max_seq_lens=rollout_data.get("max_seq_lens"),
-                    )
-
             result = compute_ess_lr(
                 rollout_data.get("log_probs"),
                 rollout_data.get("rollout_log_probs"),
@@ -326,18 +338,84 @@ def compute_from_rollout(framework: Framework, args: Any, rollout_data: dict) ->
                 config=config,
                 cp_group=groups.cp_group,
                 dp_group=groups.dp_group,
-                prepare_masks=prepare,
+                prepare_masks=_mask_preparer(groups, args, rollout_data),
             )
     except Exception as exc:
         error = exc  # the other pipeline stages learn of it through the broadcast
     result = broadcast_from_last_stage(result, groups.pp_group, config=config, error=error)
     if result.status == "missing":
-        logger.warning(
-            "ess-patch (%s): this rollout has no %s on some rank; ESS-LR is a no-op for it",
-            framework.name,
-            "train log-probs" if rollout_data.get("log_probs") is None else "rollout log-probs",
-        )
+        _warn_missing(framework, rollout_data)
     return result
+
+
+def compute_steps_from_rollout(
+    framework: Framework, args: Any, rollout_data: dict
+) -> list[EssLrResult]:
+    """Granularity "step": one result per optimizer step of this rollout, over the samples
+    ``framework.step_samples`` says that step trains on; identical on every rank."""
+    from ..compute import compute_ess_lr_steps
+    from ..reduction import broadcast_steps_from_last_stage
+
+    if framework.step_samples is None:
+        raise ValueError(f"granularity 'step' is not supported with {framework.name}")
+    split = framework.step_samples
+    groups = framework.groups()
+    config = config_from_args(args)
+    results = None
+    error: BaseException | None = None
+    try:
+        if groups.is_pp_last:
+            results = compute_ess_lr_steps(
+                rollout_data.get("log_probs"),
+                rollout_data.get("rollout_log_probs"),
+                rollout_data.get("loss_masks"),
+                lambda: split(args, rollout_data),  # a failure to split reaches every rank
+                config=config,
+                cp_group=groups.cp_group,
+                dp_group=groups.dp_group,
+                prepare_masks=_mask_preparer(groups, args, rollout_data),
+            )
+    except Exception as exc:
+        error = exc
+    results = broadcast_steps_from_last_stage(results, groups.pp_group, config=config, error=error)
+    if any(r.status == "missing" for r in results):
+        _warn_missing(framework, rollout_data)
+    return results
+
+
+def _mask_preparer(groups: Groups, args: Any, rollout_data: dict) -> Callable[[Any], list] | None:
+    """Under CP: slice the full-length loss masks to this CP rank's tokens."""
+    from ..cp_slicing import local_response_masks
+
+    if groups.cp_size <= 1:
+        return None
+
+    def prepare(masks: Any) -> list:
+        # Raised here, a fault reaches every rank through the collectives.
+        lengths = [rollout_data.get(k) for k in ("total_lengths", "response_lengths")]
+        if None in lengths:
+            raise ValueError(
+                "rollout_data has loss_masks but no total_lengths/response_lengths: "
+                "ESS-LR cannot slice the masks to this CP rank's tokens"
+            )
+        return local_response_masks(
+            masks,
+            *lengths,
+            groups.cp_rank,
+            groups.cp_size,
+            qkv_format=getattr(args, "qkv_format", "thd"),
+            max_seq_lens=rollout_data.get("max_seq_lens"),
+        )
+
+    return prepare
+
+
+def _warn_missing(framework: Framework, rollout_data: dict) -> None:
+    logger.warning(
+        "ess-patch (%s): this rollout has no %s on some rank; ESS-LR is a no-op for it",
+        framework.name,
+        "train log-probs" if rollout_data.get("log_probs") is None else "rollout log-probs",
+    )
 
 
 def common_targets(

@@ -22,6 +22,7 @@ from .rl_hooks import (
     ess_metrics,
     rollout_logprobs_only,
 )
+from .steps import slime_step_samples
 
 SUPPORTED = "slime @624b824a8 (2026-08-21; later commits with the same functions)"
 
@@ -54,6 +55,7 @@ SLIME_FRAMEWORK = Framework(
     # missing at advantage time: a logged no-op, see README.)
     no_input_reason=rollout_logprobs_only,
     unsupported_reason=_unsupported_reason,
+    step_samples=slime_step_samples,
 )
 
 
