@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared helpers
 from harness import run_ranks
-from test_upstream_smoke import CP, DP, _local_batch
+from rollouts import CP, DP, local_batch
 from upstream import miles_parallel_state, skip_reason
 
 import ess_patch
@@ -94,7 +94,7 @@ def rank_faults(fw: str) -> dict:
     dp_size = mpu.get_data_parallel_world_size(with_context_parallel=False)
     cp_rank = mpu.get_context_parallel_rank()
     faulty = (dp_rank, cp_rank) == FAULTY
-    _, batch = _local_batch(slice_log_prob_with_cp, dp_rank, dp_size)
+    _, batch = local_batch(slice_log_prob_with_cp, dp_rank, dp_size)
     cases = (None, *FAULTS)
 
     # the unpatched upstream call on exactly the inputs of each case (same world, same peers)
