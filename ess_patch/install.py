@@ -25,10 +25,17 @@ from .integrations.megatron import MEGATRON
 from .integrations.megatron_rl import MEGATRON_RL
 from .integrations.miles import MILES
 from .integrations.slime import SLIME
-from .patching import apply, revert
+from .patching import MissingTargetError, apply, revert
 from .state import STATE, disarm
 
-__all__ = ["INTEGRATIONS", "install", "installed_targets", "is_installed", "uninstall"]
+__all__ = [
+    "INTEGRATIONS",
+    "install",
+    "installed_shapes",
+    "installed_targets",
+    "is_installed",
+    "uninstall",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +101,7 @@ def uninstall() -> None:
             revert(patch)
     STATE.installed = None
     STATE.config = None
+    STATE.shapes = {}  # re-detected at the next install (the host may have changed)
     disarm()
     logger.info("ess-patch uninstalled")
 
@@ -108,6 +116,27 @@ def installed_targets() -> list[str]:
     if STATE.installed is None:
         return []
     return [p.target.path for patches in STATE.installed.values() for p in patches]
+
+
+def installed_shapes() -> dict[str, str]:
+    """Per installed framework with a history, the shapes chosen so far, in words (e.g.
+    ``{"miles": "miles: groups from get_parallel_state().intra_dp; ...; metrics via
+    log_train_step"}``); a shape is chosen when a module that needs it is imported."""
+    if STATE.installed is None:
+        return {}
+    return {
+        name: INTEGRATIONS[name].history.describe()
+        for name in STATE.installed
+        if INTEGRATIONS[name].history is not None
+    }
+
+
+def _roll_back(name: str) -> None:
+    """Put back everything of integration ``name`` and stop patching it in this process."""
+    patches = STATE.installed.pop(name, []) if STATE.installed is not None else []
+    for patch in reversed(patches):
+        revert(patch)
+    STATE.shapes.pop(name, None)
 
 
 def _select(integrations: Iterable[str] | str | None) -> list[str]:
@@ -156,13 +185,19 @@ def _on_import(module: ModuleType) -> None:
     """Wrap the targets in ``module`` for every installed integration (idempotent)."""
     if STATE.installed is None:  # hook left over from an uninstalled install
         return
-    for name, patches in STATE.installed.items():
+    for name, patches in list(STATE.installed.items()):
         integration = INTEGRATIONS[name]
-        for target in integration.targets:
-            if target.module == module.__name__:
-                supported = " ".join(
-                    filter(None, (integration.distribution, integration.supported))
-                )
-                patch = apply(target, supported)
-                if patch is not None:
-                    patches.append(patch)
+        try:
+            if integration.history is not None:  # the host's shape, before wrapping anything
+                integration.history.on_import(module.__name__)
+            for target in integration.targets:
+                if target.module == module.__name__:
+                    supported = " ".join(
+                        filter(None, (integration.distribution, integration.supported))
+                    )
+                    patch = apply(target, supported)
+                    if patch is not None:
+                        patches.append(patch)
+        except MissingTargetError:
+            _roll_back(name)  # nothing of a framework we cannot serve stays patched
+            raise

@@ -37,6 +37,11 @@ class _EssState:
     config: Any = None
     # what the start-up auto-install did in this process (site may run the .pth twice)
     autoinstall: str | None = None
+    # per host framework, the shape chosen for each aspect (integrations.shapes); cleared by
+    # uninstall() and reset(), since tests change the host modules between installs
+    shapes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # inspect.Signature per wrapped host function (integrations.binding)
+    signatures: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     local: threading.local = field(default_factory=threading.local)
 
 
@@ -51,6 +56,8 @@ def reset() -> None:
     STATE.excluded = weakref.WeakSet()
     STATE.local = threading.local()
     STATE.autoinstall = None
+    STATE.shapes = {}
+    STATE.signatures = weakref.WeakKeyDictionary()
 
 
 def arm(result_or_scale: EssLrResult | float) -> EssLrResult:
