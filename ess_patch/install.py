@@ -183,6 +183,9 @@ def _check_version(integration: Integration) -> None:
 
 def _on_import(module: ModuleType) -> None:
     """Wrap the targets in ``module`` for every installed integration (idempotent)."""
+    # wrapt drops a post-import hook once it has fired: a module imported again (after an
+    # import that raised) needs a new one from the next install()
+    STATE.hooks_registered.discard(module.__name__)
     if STATE.installed is None:  # hook left over from an uninstalled install
         return
     for name, patches in list(STATE.installed.items()):

@@ -280,6 +280,10 @@ def parse_upstream_args(
         stack.enter_context(_argv(argv))
         if not megatron_validate:
             stack.enter_context(_patched(mega_mod, "validate_args", lambda args: None))
+            # slime v0.2.0 imports it from the package inside parse_args
+            package = importlib.import_module(f"{framework}.backends.megatron_utils")
+            if hasattr(package, "validate_args"):
+                stack.enter_context(_patched(package, "validate_args", lambda args: None))
         if quiet:
             stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
         return args_mod.parse_args(add_custom_arguments=add_custom_arguments)
