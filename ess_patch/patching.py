@@ -42,6 +42,10 @@ class Target:
     attribute: str
     wrapper: Callable[..., Any]
     required: bool = True
+    #: The ``ess_patch.vendored`` decorator a ``patches/`` series puts on this definition
+    #: (None: the one ``vendored.CALL_SITES`` names for its file, if any). Lets a target that
+    #: only some versions have (slime's older ``log`` locations) be checked against a series.
+    decorator: str | None = None
 
     @property
     def path(self) -> str:

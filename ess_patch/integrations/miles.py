@@ -37,6 +37,7 @@ from .binding import bind, call_with
 from .rl_hooks import (
     Framework,
     Groups,
+    advantage_wrapper,
     common_targets,
     ess_metrics,
     rollout_logprobs_only,
@@ -291,11 +292,13 @@ def fsdp_train_core_wrapper(
     return wrapped(*args, **kwargs)
 
 
-# The FSDP actor lived in backends/experimental/ from 2026-04 to 2026-07: both are listed, the
-# one that exists is wrapped when imported.
-_FSDP_ACTORS = ("miles.backends.fsdp_utils.actor", "miles.backends.experimental.fsdp_utils.actor")
-_ADVANTAGE_SITES = (_LOSS, "miles.backends.megatron_utils.actor", *_FSDP_ACTORS)
-_LOG_SITES = (_LOG, "miles.backends.megatron_utils.model", *_FSDP_ACTORS)
+# The FSDP actor lived in backends/experimental/ from 2026-04 to 2026-07: both are listed; the
+# experimental one is optional (absent from the trees the patches/ series are checked on).
+_FSDP = "miles.backends.fsdp_utils.actor"
+_FSDP_EXPERIMENTAL = "miles.backends.experimental.fsdp_utils.actor"
+_ADVANTAGE_SITES = (_LOSS, "miles.backends.megatron_utils.actor", _FSDP)
+_LOG_SITES = (_LOG, "miles.backends.megatron_utils.model", _FSDP)
+
 
 MILES = Integration(
     name="miles",
@@ -304,9 +307,21 @@ MILES = Integration(
     targets=(
         *common_targets(MILES_FRAMEWORK, "miles.utils.arguments", _ADVANTAGE_SITES),
         *(Target(module, "", "log_train_step", log_train_step_wrapper) for module in _LOG_SITES),
-        *(
-            Target(module, "FSDPTrainRayActor", "_train_core", fsdp_train_core_wrapper)
-            for module in _FSDP_ACTORS
+        Target(_FSDP, "FSDPTrainRayActor", "_train_core", fsdp_train_core_wrapper),
+        Target(
+            _FSDP_EXPERIMENTAL,
+            "",
+            _ADVANTAGE,
+            advantage_wrapper(MILES_FRAMEWORK),
+            required=False,
+        ),
+        Target(_FSDP_EXPERIMENTAL, "", "log_train_step", log_train_step_wrapper, required=False),
+        Target(
+            _FSDP_EXPERIMENTAL,
+            "FSDPTrainRayActor",
+            "_train_core",
+            fsdp_train_core_wrapper,
+            required=False,
         ),
     ),
     history=MILES_HISTORY,

@@ -155,7 +155,10 @@ SLIME = Integration(
     supported=SUPPORTED,
     targets=(
         *common_targets(SLIME_FRAMEWORK, "slime.utils.arguments", _ADVANTAGE_SITES),
-        *(Target(module, "", "log", log_wrapper, required=False) for module, _ in _LOG_MODULES),
+        *(
+            Target(module, "", "log", log_wrapper, required=False, decorator="slime_log")
+            for module, _ in _LOG_MODULES
+        ),
     ),
     history=SLIME_HISTORY,
 )

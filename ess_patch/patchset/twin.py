@@ -166,12 +166,13 @@ def _targets(component: str) -> tuple[Target, ...]:
     return INTEGRATIONS[INTEGRATION_OF[component]].targets
 
 
-def _decorator(component: str, site: _Site) -> str | None:
+def _decorator(component: str, site: _Site, target: Target | None = None) -> str | None:
     """The ``ess_patch.vendored`` decorator that ``component``'s series put on the definition
-    at ``site`` (None: none of its call sites)."""
+    at ``site`` (None: none of its call sites); else the one the target names."""
     if component == "megatron-core":
         return _MEGATRON_DECORATOR
-    return {(c.path, c.owner, c.function): c.decorator for c in CALL_SITES[component]}.get(site)
+    sites = {(c.path, c.owner, c.function): c.decorator for c in CALL_SITES[component]}
+    return sites.get(site) or (target.decorator if target is not None else None)
 
 
 def twin_files(component: str) -> tuple[str, ...]:
@@ -206,7 +207,7 @@ def gaps(component: str, root: Path) -> list[str]:
             continue
         wrapped.add(site)
         label = f"{rel} {'.'.join(p for p in (owner, node.name) if p)}"
-        decorator = _decorator(component, site)
+        decorator = _decorator(component, site, t)
         alias = f"_ess_{decorator}"
         if decorator is None or alias not in decorator_names(node):
             out.append(f"{label}: install() wraps it, the series does not")
