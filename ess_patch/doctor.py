@@ -19,7 +19,8 @@ from .autoinstall import ENV as AUTO_ENV
 from .autoinstall import requested
 from .config import EssLrConfig
 from .install import INTEGRATIONS, is_installed
-from .patching import is_ours
+from .integrations.shapes import History
+from .patching import MissingTargetError, is_ours
 
 __all__ = ["Report", "collect", "render"]
 
@@ -151,6 +152,21 @@ def _targets(report: Report) -> None:
                 report.add(section, f"ok {target.path}: wrapped by install() in this process")
             else:
                 report.add(section, f"ok {target.path}: install() would wrap it")
+        if integration.history is not None:
+            _shape(report, section, integration.history)
+
+
+def _shape(report: Report, section: str, history: History) -> None:
+    """The framework's shape here (groups, hook, metrics), as install() would choose it."""
+    try:
+        history.choose_all()
+    except MissingTargetError as exc:
+        report.problem(section, str(exc))
+        return
+    except Exception as exc:  # a host module failing at import time (reported above too)
+        report.add(section, f"-- shape not decided: {type(exc).__name__}: {exc}")
+        return
+    report.add(section, f"shape: {history.describe()}")
 
 
 def _optional_module(module: str) -> bool:
