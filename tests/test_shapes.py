@@ -158,7 +158,7 @@ def test_parse_time_check_only_when_ess_lr_is_asked_for(clean_ess):
         sys.argv = ["train.py"]
         assert wrapper(parse_args, None, (), {}).use_ess_lr is False  # off: not checked
         sys.argv = ["train.py", "--use-ess-lr"]
-        with pytest.raises(MissingTargetError, match="module ess_no_such.mod does not exist"):
+        with pytest.raises(MissingTargetError, match=r"module ess_no_such\.mod does not exist"):
             wrapper(parse_args, None, (), {})
     finally:
         sys.argv = sys_argv
