@@ -404,7 +404,11 @@ def _miles_train_step(monkeypatch, flags):
 
         for integration in ("megatron", "miles"):
             for name in INTEGRATIONS[integration].modules:
-                importlib.import_module(name)
+                try:
+                    importlib.import_module(name)
+                except ModuleNotFoundError as exc:  # another version's location of a target
+                    if not (name + ".").startswith(f"{exc.name}."):
+                        raise
     _install(["megatron", "miles"])
     argv = [*MINIMAL_ARGV, "--lr", "1e-2", *flags, "--ess-lr-weight-mode", "product"]
     args = parse_upstream_args("miles", argv)

@@ -129,8 +129,15 @@ from ess_patch.vendored import is_vendored
 marked = 0
 for name in ("megatron", "miles", "slime"):
     for module in INTEGRATIONS[name].modules:
-        importlib.import_module(module)
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:  # another version's location (optional targets)
+            if not (module + ".").startswith(exc.name + "."):
+                raise
     for t in INTEGRATIONS[name].targets:
+        if t.module not in sys.modules:
+            assert not t.required, t.path
+            continue
         owner = sys.modules[t.module]
         for part in filter(None, t.owner.split(".")):
             owner = getattr(owner, part)
