@@ -255,7 +255,9 @@ def parse_args_wrapper(framework: Framework) -> Callable[..., Any]:
 
     def wrapper(wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict) -> Any:
         call = bind(wrapped, args, kwargs)
-        if call is None or "add_custom_arguments" not in call.arguments:
+        if call is None:  # the call does not fit the signature: the host raises its TypeError
+            return wrapped(*args, **kwargs)
+        if "add_custom_arguments" not in call.arguments:
             raise MissingTargetError(
                 f"ess-patch ({framework.name}): {getattr(wrapped, '__qualname__', wrapped)} "
                 "takes no add_custom_arguments parameter, so --use-ess-lr cannot be added"
