@@ -379,6 +379,49 @@ def test_advantage_hook_arms_the_reference_scale_on_every_rank(fw, snapshot, tmp
             assert r["shapes"].startswith(f"{fw}: groups from ") and "hook " in r["shapes"]
 
 
+def rank_pipeline_hook(fw: str, snapshot: str) -> dict:
+    """PP=2: only the last stage has train log-probs (miles returns early on the others);
+    every stage must arm the last stage's result, whatever the version's PP source."""
+    from megatron.core import parallel_state as mpu
+
+    use_snapshot(fw, snapshot)
+    import miles.backends.training_utils.loss as loss
+
+    state = miles_parallel_state()
+    batch = _one_rollout_batch()
+    if not mpu.is_pipeline_last_stage():
+        batch.pop("log_probs")  # what a non-last stage's actor has
+    _install(fw)
+    from ess_patch.install import installed_shapes
+
+    compute = _bind_state(loss.compute_advantages_and_returns, state)
+    compute(_host_args(fw, True), batch)  # returns early (no advantages) on a non-last stage
+    result = ess_patch.armed()
+    return {
+        "last": mpu.is_pipeline_last_stage(),
+        "result": None if result is None else (result.scale, result.rho, result.status),
+        "shapes": None if VENDORED else installed_shapes()[fw],
+    }
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    ("fw", "snapshot"), [p for p in _snapshot_params("loss") if p.values[0] in ("miles", None)]
+)
+def test_every_pipeline_stage_arms_the_last_stages_result(fw, snapshot, tmp_path):
+    results = run_ranks(rank_pipeline_hook, pp=2, args=(fw, snapshot), tmp_path=tmp_path)
+    rollout = _one_rollout_batch()
+    ref = reference_ess(
+        rollout["log_probs"], rollout["rollout_log_probs"], rollout["loss_masks"], mode="product"
+    )
+    assert [r["last"] for r in results] == [False, True]
+    scale, rho, status = results[1]["result"]
+    assert results[0]["result"] == results[1]["result"] and status == "ok"
+    assert scale == pytest.approx(ref["scale"], rel=1e-6) and rho == pytest.approx(ref["rho"])
+    if not VENDORED:
+        assert "PP from " in results[1]["shapes"]
+
+
 # --- the train step, logging, FSDP ------------------------------------------------------------
 
 
