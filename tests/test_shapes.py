@@ -220,3 +220,18 @@ def test_slime_log_wrapper_keeps_extra_keyword_arguments(clean_ess):
     assert kwargs == {"z": 2} and metrics["train/lr_scale"] == 0.5 and metrics["x"] == 1
     metrics, _ = log_wrapper(log, None, (None, {"x": 1}, "rollout/step"), {})
     assert metrics == {"x": 1}
+
+
+def test_doctor_shows_the_chosen_shape_or_the_problem(host, clean_ess):
+    from ess_patch.doctor import Report, _shape
+
+    fits = _history(Shape("old", "1.0", (Feature(HOST, "ParallelState.cp_group"),)))
+    report = Report()
+    _shape(report, "targets: fakefw", fits)
+    assert report.sections["targets: fakefw"] == ["shape: fakefw: groups old"]
+    assert report.problems == []
+    ess_patch.state.reset()
+    fails = _history(Shape("new", "2.0", (Feature(HOST, "get_parallel_state"),)))
+    _shape(report, "targets: fakefw", fails)
+    assert len(report.problems) == 1
+    assert f"{HOST}.get_parallel_state does not exist" in report.problems[0]

@@ -9,6 +9,7 @@
 - ``log_train_step`` gets ``lr_scale``, ``rho_ess``... added to ``extra_metrics`` for the
   actor (logged as ``train/lr_scale``...).
 - ``FSDPTrainRayActor._train_core`` attaches the plain torch optimizer before stepping.
+- Refused at parse time: fault-tolerant mode and multi-LoRA (``--multi-lora-n-adapters``).
 
 The shapes (read in the snapshots in ../shared/upstream and miles' public history):
 
