@@ -5,7 +5,10 @@ Each sample of total length T is cut into ``2 * cp`` chunks of ``ceil(T / (2 * c
 positions (``ceil(max_seq_len / (2 * cp))`` for "bshd"); rank r holds chunks r and
 ``2 * cp - 1 - r``. Position p's logits score token p + 1, so a chunk ``[lo, hi)`` covers
 response tokens ``[max(lo, P - 1), min(hi, T - 1)) + 1`` where P is the prompt length
-(upstream: ``get_logits_and_tokens_offset_with_cp`` in miles' ``cp_utils.py``).
+(upstream: ``get_logits_and_tokens_offset_with_cp`` in miles' ``cp_utils.py``). The formula is
+the same in every miles version since 2026-01-12 (where it read ``cp_rank``/``cp_size`` from the
+``parallel_state`` argument) and every slime release from v0.2.0 (bshd only in v0.2.2 to
+v0.3.0); tests/frameworks checks it against each snapshot's own ``slice_log_prob_with_cp``.
 """
 
 from __future__ import annotations

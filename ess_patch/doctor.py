@@ -18,7 +18,8 @@ from .autoinstall import ENV as AUTO_ENV
 from .autoinstall import requested
 from .config import EssLrConfig
 from .install import INTEGRATIONS, failed_integrations, is_installed
-from .patching import MISSING, UNWRAPPED, VENDORED, WRAPPED, target_status
+from .integrations.shapes import History
+from .patching import MISSING, UNWRAPPED, VENDORED, WRAPPED, MissingTargetError, target_status
 
 __all__ = ["MINIMUM_VERSIONS", "Report", "collect", "findable", "render"]
 
@@ -141,6 +142,8 @@ def _targets(report: Report) -> None:
                 report.add(section, f"-- {target.path}: not wrapped ({name} was rolled back)")
             else:
                 report.add(section, _STATUS_LINE[status].format(path=target.path))
+        if integration.history is not None:
+            _shape(report, section, integration.history)
 
 
 _STATUS_LINE = {
@@ -149,6 +152,19 @@ _STATUS_LINE = {
     WRAPPED: "ok {path}: wrapped by install() in this process",
     UNWRAPPED: "ok {path}: install() would wrap it",
 }
+
+
+def _shape(report: Report, section: str, history: History) -> None:
+    """The framework's shape here (groups, hook, metrics), as install() would choose it."""
+    try:
+        history.choose_all()
+    except MissingTargetError as exc:
+        report.problem(section, str(exc))
+        return
+    except Exception as exc:  # a host module failing at import time (reported above too)
+        report.add(section, f"-- shape not decided: {type(exc).__name__}: {exc}")
+        return
+    report.add(section, f"shape: {history.describe()}")
 
 
 def _optional_module(module: str) -> bool:

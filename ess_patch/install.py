@@ -31,6 +31,7 @@ __all__ = [
     "INTEGRATIONS",
     "failed_integrations",
     "install",
+    "installed_shapes",
     "installed_targets",
     "is_installed",
     "uninstall",
@@ -124,6 +125,7 @@ def uninstall() -> None:
     INSTALLATION.patches = None
     INSTALLATION.failures = {}
     STATE.config = None
+    STATE.shapes = {}  # re-detected at the next install (the host may have changed)
     disarm()
     logger.info("ess-patch uninstalled")
 
@@ -144,6 +146,19 @@ def failed_integrations() -> dict[str, str]:
     """Integrations rolled back because a library imported after ``install()`` lacked a
     required symbol: name -> the reason (names the symbol and the supported versions)."""
     return dict(INSTALLATION.failures)
+
+
+def installed_shapes() -> dict[str, str]:
+    """Per installed framework with a history, the shapes chosen so far, in words (e.g.
+    ``{"miles": "miles: groups from get_parallel_state().intra_dp; ...; metrics via
+    log_train_step"}``); a shape is chosen when a module that needs it is imported."""
+    if INSTALLATION.patches is None:
+        return {}
+    return {
+        name: INTEGRATIONS[name].history.describe()
+        for name in INSTALLATION.patches
+        if INTEGRATIONS[name].history is not None
+    }
 
 
 def _select(integrations: Iterable[str] | str | None) -> list[str]:
@@ -190,6 +205,9 @@ def _on_import(module: ModuleType) -> None:
     Runs inside the host's ``import``: it never raises. An integration that cannot wrap this
     module is rolled back (see :func:`_roll_back`); the others go on.
     """
+    # wrapt drops a post-import hook once it has fired: a module imported again (after an
+    # import that raised) needs a new one from the next install()
+    INSTALLATION.hooks_registered.discard(module.__name__)
     if INSTALLATION.patches is None:  # hook left over from an uninstalled install
         return
     for name in list(INSTALLATION.patches):
@@ -202,10 +220,16 @@ def _on_import(module: ModuleType) -> None:
 def _wrap(name: str, module: ModuleType) -> None:
     """Wrap the targets of integration ``name`` that live in ``module`` (idempotent).
 
+    A framework with a history first decides its shape from this module, if it is one that
+    decides it.
+
     Raises:
-        MissingTargetError: a required target is missing (its earlier wraps stay recorded).
+        MissingTargetError: a required target is missing, or the host fits no known shape
+            (its earlier wraps stay recorded).
     """
     integration = INTEGRATIONS[name]
+    if integration.history is not None:
+        integration.history.on_import(module.__name__)
     patches = INSTALLATION.patches[name]  # type: ignore[index]
     supported = " ".join(filter(None, (integration.distribution, integration.supported)))
     for target in integration.targets:
@@ -224,6 +248,7 @@ def _roll_back(name: str, error: BaseException) -> None:
     reason = f"{name}: not installed: {error}"
     if not isinstance(error, ImportError):
         reason = f"{name}: not installed: {type(error).__name__}: {error}"
+    STATE.shapes.pop(name, None)
     INSTALLATION.failures[name] = reason
     remaining = ", ".join(INSTALLATION.patches or {}) or "none"
     logger.error(

@@ -131,8 +131,14 @@ def apply(target: Target, supported: str) -> Patch | None:
         )
         return None
     if is_ours(original):
-        logger.debug("ess-patch: %s is already wrapped; not wrapping twice", target.path)
-        return None
+        if getattr(original, _MARK) == target.path:
+            logger.debug("ess-patch: %s is already wrapped; not wrapping twice", target.path)
+            return None
+        # Our wrapper of another site, imported here by name (``from .log_utils import
+        # log_train_step`` after log_utils was wrapped): not wrapped twice, but recorded, so
+        # that revert() puts the plain function back here too.
+        logger.debug("ess-patch: %s holds the wrapper of %s", target.path, getattr(original, _MARK))
+        return Patch(target=target, holder=holder, original=original.__wrapped__)
     # Ownership was checked above: wrap_function_wrapper alone would also "wrap" an
     # inherited method by shadowing it on the subclass, and then scale twice.
     name = ".".join(p for p in (target.owner, target.attribute) if p)

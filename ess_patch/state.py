@@ -58,6 +58,11 @@ class _EssState:
     vendored_steps: bool = False
     # arm() with nothing to apply it: warned once (reset() re-arms the warning)
     warned_no_effect: bool = False
+    # per host framework, the shape chosen for each aspect (integrations.shapes); cleared by
+    # uninstall() and reset(), since tests change the host modules between installs
+    shapes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # inspect.Signature per wrapped host function (integrations.binding)
+    signatures: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     local: threading.local = field(default_factory=threading.local)
 
 
@@ -74,6 +79,8 @@ def reset() -> None:
     STATE.excluded = weakref.WeakSet()
     STATE.local = threading.local()
     STATE.warned_no_effect = False
+    STATE.shapes = {}
+    STATE.signatures = weakref.WeakKeyDictionary()
 
 
 def arm(result_or_scale: EssLrResult | float) -> EssLrResult:

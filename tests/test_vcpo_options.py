@@ -363,7 +363,7 @@ def test_arm_steps_checks_scales_and_disarm_and_reset_drop_them():
 # --- the miles/slime hook and flags ---------------------------------------------------------------
 
 
-def _split(args, data):
+def _split(args, data, dp_size):
     return [[0, 1], [2, 3]]
 
 
@@ -440,7 +440,7 @@ def test_the_hook_arms_one_result_per_step_and_logs_each_steps_own(clean_ess):
     lp, rlp, masks = _batch([0.0, 2.0, 0.1, 0.3])
     data = {"log_probs": lp, "rollout_log_probs": rlp, "loss_masks": masks}
     args = Namespace(use_ess_lr=True, ess_lr_granularity="step", ess_lr_weight_mode="product")
-    out = advantage_wrapper(STEPPED)(lambda a, d: "advantages", None, (args, data), {})
+    out = advantage_wrapper(STEPPED)(lambda args, rollout_data: "advantages", None, (args, data), {})
     assert out == "advantages"
     refs = reference_steps(lp, rlp, masks, [[0, 1], [2, 3]], mode="product")
     steps = ess_patch.armed_steps()
@@ -458,7 +458,7 @@ def test_the_hook_arms_one_result_per_step_and_logs_each_steps_own(clean_ess):
         assert logged[-1]["lr_scale"] == step.scale and logged[-1]["rho_ess"] == step.rho
     # the rollout path is unchanged: one result for every step
     args.ess_lr_granularity = "rollout"
-    advantage_wrapper(STEPPED)(lambda a, d: None, None, (args, data), {})
+    advantage_wrapper(STEPPED)(lambda args, rollout_data: None, None, (args, data), {})
     assert ess_patch.armed_steps() is None
     assert ess_patch.armed().scale == pytest.approx(
         reference_ess(lp, rlp, masks, mode="product")["scale"], rel=1e-12
@@ -471,7 +471,7 @@ def test_the_hook_arms_one_result_per_step_and_logs_each_steps_own(clean_ess):
 def test_schedule_steps_joins_each_steps_micro_batches():
     assert schedule_steps([2, 1], [[0, 3], [1], [2, 4]]) == [[0, 3, 1], [2, 4]]
     data = {"num_microbatches": [1, 1], "micro_batch_indices": [[1, 0], [2]]}
-    assert slime_step_samples(None, data) == [[1, 0], [2]]
+    assert slime_step_samples(None, data, 2) == [[1, 0], [2]]
     with pytest.raises(ValueError, match=r"asks for 3 micro-batches but .* has 2"):
         schedule_steps([2, 1], [[0], [1]])
 

@@ -8,6 +8,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from ..patching import Target
+from .shapes import History
 
 __all__ = ["Integration"]
 
@@ -24,10 +25,14 @@ class Integration:
     distribution: str | None  # None: not pip-installed as a versioned distribution
     supported: str
     targets: tuple[Target, ...]
+    #: a framework with a history: its known shapes, one chosen per aspect at import time
+    history: History | None = None
 
     @property
     def modules(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(t.module for t in self.targets))
+        """Every module whose import matters: the targets' and those that decide a shape."""
+        shaped = self.history.modules if self.history is not None else ()
+        return tuple(dict.fromkeys((*(t.module for t in self.targets), *shaped)))
 
     def supports(self, version: str) -> bool:
         """Whether ``version`` of :attr:`distribution` is in :attr:`supported`."""

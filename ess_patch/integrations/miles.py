@@ -1,49 +1,230 @@
-"""miles (radixark/miles @31f1ca961): flags, the advantage hook, metrics, the FSDP optimizer.
+"""miles (radixark/miles, 2026-01-12 to main @31f1ca961): flags, advantage hook, metrics, FSDP.
 
 - ``miles.utils.arguments.parse_args(add_custom_arguments=None)`` gets our flags composed
-  in and validates them after parsing.
+  in and validates them after parsing (and, with ``--use-ess-lr``, the host's shape).
 - ``compute_advantages_and_returns`` is wrapped where it is defined and in each module that
-  imported it by name (``megatron_utils.actor``, ``fsdp_utils.actor``); after it runs, the
-  rollout's ESS is computed over miles' ``effective_dp`` / ``cp`` / ``pp`` groups and armed.
+  imported it by name (``megatron_utils.actor``, ``fsdp_utils.actor`` or, 2026-04 to 2026-07,
+  ``experimental.fsdp_utils.actor``); after it runs, the rollout's ESS is computed over the
+  CP / DP / PP groups of the shape chosen below and armed.
 - ``log_train_step`` gets ``lr_scale``, ``rho_ess``... added to ``extra_metrics`` for the
   actor (logged as ``train/lr_scale``...).
 - ``FSDPTrainRayActor._train_core`` attaches the plain torch optimizer before stepping.
+- Refused at parse time: fault-tolerant mode and multi-LoRA (``--multi-lora-n-adapters``).
+
+The shapes (read in the snapshots in ../shared/upstream and miles' public history):
+
+- from 2026-01-12: groups from the ``parallel_state`` argument (flat fields ``dp_group
+  cp_group cp_rank cp_size``); ``compute_advantages_and_returns(args, parallel_state,
+  rollout_data)``;
+- from 2026-04-03: ``get_parallel_state()``, GroupInfo ``intra_dp cp`` (``pp`` from
+  2026-05-05); ``(args, rollout_data)`` from 04-04;
+- from 2026-07-10: ``get_parallel_state().effective_dp`` (``indep_dp`` when fault-tolerant).
+
+Before ``ParallelState.pp`` the pipeline group is megatron's ``parallel_state`` one (miles'
+own megatron backend initialises it; the FSDP backend has no PP). ``log_train_step(...,
+role="actor", extra_metrics=None, ...)`` is unchanged since 2026-01-12.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..attach import attach
 from ..patching import Target
 from . import Integration
+from .binding import bind, call_with
 from .rl_hooks import (
     Framework,
     Groups,
+    advantage_wrapper,
     common_targets,
     ess_metrics,
     rollout_logprobs_only,
 )
+from .shapes import Aspect, Feature, History, Shape
 from .steps import miles_step_samples
 
-SUPPORTED = "miles @31f1ca961 (2026-08-21; later commits with the same functions)"
+SUPPORTED = (
+    "miles from 2026-01-12 (training_utils with ParallelState) to @31f1ca961 (2026-08-21), "
+    "release v0.1.0 included"
+)
+
+_PARALLEL = "miles.backends.training_utils.parallel"
+_LOSS = "miles.backends.training_utils.loss"
+_LOG = "miles.backends.training_utils.log_utils"
+_ADVANTAGE = "compute_advantages_and_returns"
 
 
-def _groups() -> Groups:
-    from miles.backends.training_utils.parallel import get_parallel_state
+# --- where the groups come from ----------------------------------------------------------------
 
-    state = get_parallel_state()
-    dp = state.effective_dp  # intra_dp normally; indep_dp in fault-tolerant mode
+
+def _single_or(group: Any, size: int) -> Any:
+    return group if size > 1 else None  # never a collective on a group of one (None = WORLD)
+
+
+def _pp(state: Any) -> tuple[Any, bool]:
+    """(PP group or None, is last stage): the PP aspect's shape decides where PP lives."""
+    pp = MILES_HISTORY.choose("pp").adapter(state)
+    return pp, bool(getattr(state, "is_pp_last_stage", True))
+
+
+def _groups_from_getter(dp_field: str) -> Callable[[Mapping[str, Any]], Groups]:
+    def groups(_call: Mapping[str, Any]) -> Groups:
+        from miles.backends.training_utils.parallel import get_parallel_state
+
+        state = get_parallel_state()
+        dp = getattr(state, dp_field)
+        pp_group, is_last = _pp(state)
+        return Groups(
+            cp_group=_single_or(state.cp.group, state.cp.size),
+            cp_rank=state.cp.rank,
+            cp_size=state.cp.size,
+            dp_group=_single_or(dp.group, dp.size),
+            pp_group=pp_group,
+            is_pp_last=is_last,
+        )
+
+    return groups
+
+
+def _groups_from_argument(call: Mapping[str, Any]) -> Groups:
+    state = call.get("parallel_state")
+    if state is None:
+        raise ValueError(
+            f"ess-patch (miles): {_ADVANTAGE} was called without its parallel_state argument; "
+            "ESS-LR needs its dp_group / cp_group"
+        )
+    pp_group, is_last = _pp(state)
     return Groups(
-        cp_group=state.cp.group if state.cp.size > 1 else None,
-        cp_rank=state.cp.rank,
-        cp_size=state.cp.size,
-        dp_group=dp.group if dp.size > 1 else None,
-        pp_group=state.pp.group if state.pp.size > 1 else None,
-        is_pp_last=bool(state.is_pp_last_stage),
+        cp_group=_single_or(state.cp_group, state.cp_size),
+        cp_rank=state.cp_rank,
+        cp_size=state.cp_size,
+        dp_group=_single_or(state.dp_group, state.dp_size),  # DP without CP
+        pp_group=pp_group,
+        is_pp_last=is_last,
     )
+
+
+def _pp_from_state(state: Any) -> Any:
+    return _single_or(state.pp.group, state.pp.size)
+
+
+def _pp_from_megatron(_state: Any) -> Any:
+    from megatron.core import parallel_state as mpu
+
+    if not mpu.model_parallel_is_initialized():  # the FSDP backend: one stage
+        return None
+    return _single_or(
+        mpu.get_pipeline_model_parallel_group(), mpu.get_pipeline_model_parallel_world_size()
+    )
+
+
+def _call_groups(call: Mapping[str, Any]) -> Groups:
+    return MILES_HISTORY.choose("groups").adapter(call)
+
+
+def _advantage(*parameters: str) -> Feature:
+    return Feature(_LOSS, _ADVANTAGE, ("args", *parameters, "rollout_data"))
+
+
+MILES_HISTORY = History(
+    framework="miles",
+    supported=SUPPORTED,
+    aspects=(
+        Aspect(
+            "groups",
+            (
+                Shape(
+                    "get_parallel_state().effective_dp",
+                    "2026-07-10 to main",
+                    (
+                        Feature(_PARALLEL, "get_parallel_state"),
+                        Feature(_PARALLEL, "ParallelState.effective_dp"),
+                        Feature(_PARALLEL, "ParallelState.cp"),
+                    ),
+                    _groups_from_getter("effective_dp"),
+                ),
+                Shape(
+                    "get_parallel_state().intra_dp",
+                    "2026-04-03 to 2026-07-09",
+                    (
+                        Feature(_PARALLEL, "get_parallel_state"),
+                        Feature(_PARALLEL, "ParallelState.intra_dp"),
+                        Feature(_PARALLEL, "ParallelState.cp"),
+                    ),
+                    _groups_from_getter("intra_dp"),
+                ),
+                Shape(
+                    "the parallel_state argument (flat dp_group / cp_group fields)",
+                    "2026-01-12 to 2026-04-02",
+                    (
+                        Feature(_PARALLEL, "ParallelState.dp_group"),
+                        Feature(_PARALLEL, "ParallelState.cp_group"),
+                        Feature(_PARALLEL, "ParallelState.cp_rank"),
+                        _advantage("parallel_state"),
+                    ),
+                    _groups_from_argument,
+                ),
+            ),
+            when=(_LOSS,),
+            phrase="groups from {label}",
+        ),
+        Aspect(
+            "pp",
+            (
+                Shape(
+                    "ParallelState.pp",
+                    "2026-05-05 to main",
+                    (Feature(_PARALLEL, "ParallelState.pp"),),
+                    _pp_from_state,
+                ),
+                Shape(
+                    "megatron.core.parallel_state",
+                    "2026-01-12 to 2026-05-04",
+                    (Feature("megatron.core.parallel_state", "get_pipeline_model_parallel_group"),),
+                    _pp_from_megatron,
+                ),
+                Shape("none (one stage)", "FSDP without megatron-core", (), lambda _s: None),
+            ),
+            when=(_LOSS,),
+            phrase="PP from {label}",
+        ),
+        Aspect(
+            "hook",
+            (
+                Shape(
+                    f"{_ADVANTAGE}(args, parallel_state, rollout_data)",
+                    "2026-01-12 to 2026-04-03",
+                    (_advantage("parallel_state"),),
+                ),
+                Shape(
+                    f"{_ADVANTAGE}(args, rollout_data)",
+                    "2026-04-04 to main",
+                    (_advantage(),),
+                ),
+            ),
+            when=(_LOSS,),
+            phrase="hook {label}",
+        ),
+        Aspect(
+            "metrics",
+            (
+                Shape(
+                    "log_train_step",
+                    "2026-01-12 to main",
+                    (Feature(_LOG, "log_train_step", ("role", "extra_metrics")),),
+                ),
+            ),
+            when=(_LOG, "miles.backends.megatron_utils.model"),
+            phrase="metrics via {label}",
+        ),
+    ),
+)
+
+
+# --- validation --------------------------------------------------------------------------------
 
 
 def _no_input_reason(args: argparse.Namespace) -> str | None:
@@ -63,31 +244,44 @@ def _unsupported_reason(args: argparse.Namespace) -> str | None:
             "--use-fault-tolerance (its effective_dp may be a torchft group, which ess-patch "
             "does not reduce over yet; per-replica scales would let replicas drift)"
         )
+    # miles.utils.multi_lora.validate_multi_lora_args sets args.multi_lora from
+    # --multi-lora-n-adapters > 0 (2026-07-21 on)
+    if getattr(args, "multi_lora", False) or (getattr(args, "multi_lora_n_adapters", 0) or 0) > 0:
+        return (
+            "multi-LoRA (--multi-lora-n-adapters > 0: step_stepped_adapter_slots steps each "
+            "adapter's child optimizer itself and one batch mixes adapters, so one rollout-wide "
+            "ESS would scale every adapter by the others' staleness; set "
+            "--multi-lora-n-adapters 0 or drop the flag)"
+        )
     return None
 
 
 MILES_FRAMEWORK = Framework(
     name="miles",
-    groups=_groups,
+    groups=lambda: _call_groups({}),
     no_input_reason=_no_input_reason,
     unsupported_reason=_unsupported_reason,
     step_samples=miles_step_samples,
+    call_groups=_call_groups,
+    history=MILES_HISTORY,
 )
+
+
+# --- wrappers ----------------------------------------------------------------------------------
 
 
 def log_train_step_wrapper(
     wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict
 ) -> Any:
-    """Add the armed ESS metrics to the actor's ``extra_metrics``."""
-    role = kwargs.get("role", args[6] if len(args) > 6 else "actor")
+    """Add the armed ESS metrics to the actor's ``extra_metrics`` (bound by name)."""
     metrics = ess_metrics()
-    if role != "actor" or not metrics:
+    if not metrics:
         return wrapped(*args, **kwargs)
-    if len(args) > 7:
-        args = (*args[:7], {**(args[7] or {}), **metrics}, *args[8:])
-    else:
-        kwargs = {**kwargs, "extra_metrics": {**(kwargs.get("extra_metrics") or {}), **metrics}}
-    return wrapped(*args, **kwargs)
+    call = bind(wrapped, args, kwargs)
+    if call is None or call.arguments.get("role", "actor") != "actor":
+        return wrapped(*args, **kwargs)
+    extra = {**(call.arguments.get("extra_metrics") or {}), **metrics}
+    return call_with(wrapped, call, extra_metrics=extra)
 
 
 def fsdp_train_core_wrapper(
@@ -101,13 +295,13 @@ def fsdp_train_core_wrapper(
     return wrapped(*args, **kwargs)
 
 
-_LOSS = "miles.backends.training_utils.loss"
-_ADVANTAGE_SITES = (_LOSS, "miles.backends.megatron_utils.actor", "miles.backends.fsdp_utils.actor")
-_LOG_SITES = (
-    "miles.backends.training_utils.log_utils",
-    "miles.backends.megatron_utils.model",
-    "miles.backends.fsdp_utils.actor",
-)
+# The FSDP actor lived in backends/experimental/ from 2026-04 to 2026-07: both are listed; the
+# experimental one is optional (absent from the trees the patches/ series are checked on).
+_FSDP = "miles.backends.fsdp_utils.actor"
+_FSDP_EXPERIMENTAL = "miles.backends.experimental.fsdp_utils.actor"
+_ADVANTAGE_SITES = (_LOSS, "miles.backends.megatron_utils.actor", _FSDP)
+_LOG_SITES = (_LOG, "miles.backends.megatron_utils.model", _FSDP)
+
 
 MILES = Integration(
     name="miles",
@@ -126,11 +320,27 @@ MILES = Integration(
             for module in _LOG_SITES
         ),
         Target(
-            "miles.backends.fsdp_utils.actor",
+            _FSDP,
             "FSDPTrainRayActor",
             "_train_core",
             fsdp_train_core_wrapper,
             decorator="miles_fsdp_train_core",
         ),
+        Target(
+            _FSDP_EXPERIMENTAL,
+            "",
+            _ADVANTAGE,
+            advantage_wrapper(MILES_FRAMEWORK),
+            required=False,
+        ),
+        Target(_FSDP_EXPERIMENTAL, "", "log_train_step", log_train_step_wrapper, required=False),
+        Target(
+            _FSDP_EXPERIMENTAL,
+            "FSDPTrainRayActor",
+            "_train_core",
+            fsdp_train_core_wrapper,
+            required=False,
+        ),
     ),
+    history=MILES_HISTORY,
 )

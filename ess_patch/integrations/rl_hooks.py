@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
 from ..config import GRANULARITIES, NONFINITE_POLICIES, RULES, WEIGHT_MODES, EssLrConfig
-from ..patching import Target
+from ..patching import MissingTargetError, Target
 from ..result import EssLrResult
 from ..state import STATE, arm, arm_steps, armed, disarm, set_role
+from .binding import bind, call_with
+from .shapes import History
 
 __all__ = ["Framework", "Groups", "add_ess_arguments", "config_from_args"]
 
@@ -46,9 +48,18 @@ class Framework:
     no_input_reason: Callable[[argparse.Namespace], str | None]
     #: Why these args select a backend or mode the integration does not support.
     unsupported_reason: Callable[[argparse.Namespace], str | None]
-    #: ``(args, rollout_data) -> steps``: the indices of this rank's samples that each optimizer
-    #: step of the rollout trains on (granularity "step"); None: "step" is refused.
-    step_samples: Callable[[Any, dict], list[list[int]]] | None = None
+    #: ``(args, rollout_data, dp_size) -> steps``: the indices of this rank's samples that each
+    #: optimizer step of the rollout trains on (granularity "step"); None: "step" is refused.
+    step_samples: Callable[[Any, dict, int], list[list[int]]] | None = None
+    #: The groups from the advantage call's arguments, bound by name (a host whose
+    #: ParallelState is an argument); default: ``groups()``.
+    call_groups: Callable[[Mapping[str, Any]], Groups] | None = None
+    #: The framework's known shapes: all decided when --use-ess-lr is parsed.
+    history: History | None = None
+
+    def groups_for(self, call: Mapping[str, Any]) -> Groups:
+        """The groups for one advantage call."""
+        return self.groups() if self.call_groups is None else self.call_groups(call)
 
 
 def rollout_logprobs_only(args: argparse.Namespace) -> str | None:
@@ -259,29 +270,49 @@ def validate(framework: Framework, args: argparse.Namespace) -> None:
 
 
 def parse_args_wrapper(framework: Framework) -> Callable[..., Any]:
-    """Wrap ``parse_args(add_custom_arguments=None)``: add our flags, validate the result."""
+    """Wrap ``parse_args(add_custom_arguments=None)``: add our flags, validate the result,
+    and with ESS-LR (or shadow mode) on, check that the host has a known shape."""
 
     def wrapper(wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict) -> Any:
-        user = kwargs.pop("add_custom_arguments", args[0] if args else None)
-        parsed = wrapped(*args[1:], add_custom_arguments=compose_custom_arguments(user), **kwargs)
+        call = bind(wrapped, args, kwargs)
+        if call is None:  # the call does not fit the signature: the host raises its TypeError
+            return wrapped(*args, **kwargs)
+        if "add_custom_arguments" not in call.arguments:
+            raise MissingTargetError(
+                f"ess-patch ({framework.name}): {getattr(wrapped, '__qualname__', wrapped)} "
+                "takes no add_custom_arguments parameter, so --use-ess-lr cannot be added"
+                + (f". Supported: {framework.history.supported}" if framework.history else "")
+            )
+        user = call.arguments["add_custom_arguments"]
+        parsed = call_with(wrapped, call, add_custom_arguments=compose_custom_arguments(user))
         validate(framework, parsed)
+        if framework.history is not None and (
+            getattr(parsed, "use_ess_lr", False) or shadow_requested(parsed)
+        ):
+            framework.history.choose_all()  # an unknown host fails here, not at a rollout
         return parsed
 
     return wrapper
 
 
-def _bind_advantage_args(args: tuple, kwargs: dict) -> tuple[Any, Any]:
-    host_args = kwargs.get("args", args[0] if args else None)
-    rollout_data = kwargs.get("rollout_data", args[1] if len(args) > 1 else None)
-    return host_args, rollout_data
-
-
 def advantage_wrapper(framework: Framework) -> Callable[..., Any]:
-    """Wrap ``compute_advantages_and_returns(args, rollout_data)``: run it, then arm ESS
-    (or, in shadow mode, compute it the same way and keep it for the logs only)."""
+    """Wrap ``compute_advantages_and_returns`` (``args`` and ``rollout_data`` bound by name,
+    whatever else the host passes): run it, then arm ESS (or, in shadow mode, compute it the
+    same way and keep it for the logs only)."""
 
     def wrapper(wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict) -> Any:
-        host_args, rollout_data = _bind_advantage_args(args, kwargs)
+        call = bind(wrapped, args, kwargs)
+        if call is None:  # the call does not fit the signature: the host raises its TypeError
+            return wrapped(*args, **kwargs)
+        lacking = [p for p in ("args", "rollout_data") if p not in call.arguments]
+        if lacking:  # a host the shape detection did not see (it checks these names)
+            raise MissingTargetError(
+                f"ess-patch ({framework.name}): {getattr(wrapped, '__qualname__', wrapped)} "
+                f"has no parameter {', '.join(lacking)}"
+                + (f". Supported: {framework.history.supported}" if framework.history else "")
+            )
+        host_args = call.arguments.get("args")
+        rollout_data = call.arguments.get("rollout_data")
         if not getattr(host_args, "use_ess_lr", False):
             if not shadow_requested(host_args):
                 return wrapped(*args, **kwargs)  # disabled: no collective, no state change
@@ -291,7 +322,8 @@ def advantage_wrapper(framework: Framework) -> Callable[..., Any]:
                 set_role("critic")
                 return out
             # the same collectives as enabled; nothing the optimizer wrappers read is touched
-            STATE.shadow = compute_from_rollout(framework, host_args, rollout_data)
+            groups = framework.groups_for(call.arguments)
+            STATE.shadow = compute_from_rollout(framework, host_args, rollout_data, groups=groups)
             return out
         disarm()  # if anything below raises, the previous rollout's scale is not reused
         out = wrapped(*args, **kwargs)
@@ -299,13 +331,16 @@ def advantage_wrapper(framework: Framework) -> Callable[..., Any]:
             set_role("critic")  # the critic is never scaled
             disarm()
             return out
-        arm_from_rollout(framework, host_args, rollout_data)
+        groups = framework.groups_for(call.arguments)
+        arm_from_rollout(framework, host_args, rollout_data, groups=groups)
         return out
 
     return wrapper
 
 
-def arm_from_rollout(framework: Framework, args: Any, rollout_data: dict) -> EssLrResult | None:
+def arm_from_rollout(
+    framework: Framework, args: Any, rollout_data: dict, *, groups: Groups | None = None
+) -> EssLrResult | None:
     """Compute this rollout's ESS on every rank of the actor and arm it (granularity "step":
     one result per optimizer step); returns what the next step uses (None: a rollout of no step).
 
@@ -314,18 +349,22 @@ def arm_from_rollout(framework: Framework, args: Any, rollout_data: dict) -> Ess
     """
     disarm()  # a failed rollout must not leave the previous rollout's scale armed
     if config_from_args(args).granularity == "step":
-        arm_steps(compute_steps_from_rollout(framework, args, rollout_data))
+        arm_steps(compute_steps_from_rollout(framework, args, rollout_data, groups=groups))
         return armed()
-    return arm(compute_from_rollout(framework, args, rollout_data))
+    return arm(compute_from_rollout(framework, args, rollout_data, groups=groups))
 
 
-def compute_from_rollout(framework: Framework, args: Any, rollout_data: dict) -> EssLrResult:
-    """This rollout's result, identical on every rank of the actor (arms nothing)."""
+def compute_from_rollout(
+    framework: Framework, args: Any, rollout_data: dict, *, groups: Groups | None = None
+) -> EssLrResult:
+    """This rollout's result, identical on every rank of the actor (arms nothing).
+
+    ``groups``: the process groups (default: ``framework.groups()``)."""
     # Imported here: install() (run at start-up by the auto-install) must not import torch.
     from ..compute import compute_ess_lr
     from ..reduction import broadcast_from_last_stage
 
-    groups = framework.groups()
+    groups = framework.groups() if groups is None else groups
     config = config_from_args(args)
     result = None
     error: BaseException | None = None
@@ -349,17 +388,19 @@ def compute_from_rollout(framework: Framework, args: Any, rollout_data: dict) ->
 
 
 def compute_steps_from_rollout(
-    framework: Framework, args: Any, rollout_data: dict
+    framework: Framework, args: Any, rollout_data: dict, *, groups: Groups | None = None
 ) -> list[EssLrResult]:
     """Granularity "step": one result per optimizer step of this rollout, over the samples
-    ``framework.step_samples`` says that step trains on; identical on every rank."""
+    ``framework.step_samples`` says that step trains on; identical on every rank.
+
+    ``groups``: the process groups (default: ``framework.groups()``)."""
     from ..compute import compute_ess_lr_steps
     from ..reduction import broadcast_steps_from_last_stage
 
     if framework.step_samples is None:
         raise ValueError(f"granularity 'step' is not supported with {framework.name}")
     split = framework.step_samples
-    groups = framework.groups()
+    groups = framework.groups() if groups is None else groups
     config = config_from_args(args)
     results = None
     error: BaseException | None = None
@@ -369,7 +410,8 @@ def compute_steps_from_rollout(
                 rollout_data.get("log_probs"),
                 rollout_data.get("rollout_log_probs"),
                 rollout_data.get("loss_masks"),
-                lambda: split(args, rollout_data),  # a failure to split reaches every rank
+                # a failure to split reaches every rank
+                lambda: split(args, rollout_data, _group_size(groups.dp_group)),
                 config=config,
                 cp_group=groups.cp_group,
                 dp_group=groups.dp_group,
@@ -381,6 +423,12 @@ def compute_steps_from_rollout(
     if any(r.status == "missing" for r in results):
         _warn_missing(framework, rollout_data)
     return results
+
+
+def _group_size(group: Any) -> int:
+    import torch.distributed as dist
+
+    return 1 if group is None else dist.get_world_size(group)
 
 
 def _mask_preparer(groups: Groups, args: Any, rollout_data: dict) -> Callable[[Any], list] | None:

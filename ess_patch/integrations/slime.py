@@ -1,9 +1,20 @@
-"""slime (THUDM/slime @624b824a8): flags, the advantage hook and metrics.
+"""slime (THUDM/slime, v0.2.0 to main @624b824a8): flags, the advantage hook and metrics.
 
-slime has no ParallelState object: the groups come from megatron's ``parallel_state``.
-Its ``train()`` logs through ``slime.observability.logging_utils.log(args, metrics,
-step_key="train/step")`` (looked up on the module at call time), so the metrics are added
-there.
+slime has no ParallelState object: the groups come from megatron's ``parallel_state``
+throughout. ``compute_advantages_and_returns(args, rollout_data)`` lives in
+``backends/megatron_utils/loss.py`` in every release. ``train()`` logs the train step
+through ``<module>.log(args, metrics, step_key="train/step")``, looked up on the module at
+call time, where the module moved twice:
+
+| from | train-step log |
+|---|---|
+| v0.2.0 (2025-11-28) | ``slime.utils.tracking_utils.log`` (``utils.logging_utils``: no ``log``) |
+| v0.3.0 (2026-05-31), v0.3.1 | ``slime.utils.logging_utils.log`` |
+| 2026-08-21 (main) | ``slime.observability.logging_utils.log`` |
+
+All three are listed as optional targets; the "metrics" aspect, decided when
+``megatron_utils.model`` is imported, requires one of them, so a slime whose log moved again
+is an import-time error, never silently unlogged metrics.
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ from typing import Any
 
 from ..patching import Target
 from . import Integration
+from .binding import bind, call_with
 from .rl_hooks import (
     METRIC_PREFIX,
     Framework,
@@ -22,9 +34,21 @@ from .rl_hooks import (
     ess_metrics,
     rollout_logprobs_only,
 )
+from .shapes import Aspect, Feature, History, Shape
 from .steps import slime_step_samples
 
-SUPPORTED = "slime @624b824a8 (2026-08-21; later commits with the same functions)"
+SUPPORTED = (
+    "slime v0.2.0 (2025-11-28) to @624b824a8 (2026-08-21), releases v0.3.0 and v0.3.1 included"
+)
+
+_LOSS = "slime.backends.megatron_utils.loss"
+_MPU = "megatron.core.parallel_state"
+#: where the train-step ``log(args, metrics, step_key)`` lives, newest first
+_LOG_MODULES = (
+    ("slime.observability.logging_utils", "2026-08-21 to main"),
+    ("slime.utils.logging_utils", "v0.3.0 to v0.3.1"),
+    ("slime.utils.tracking_utils", "v0.2.0 to v0.2.x"),
+)
 
 
 def _groups() -> Groups:
@@ -43,6 +67,55 @@ def _groups() -> Groups:
     )
 
 
+SLIME_HISTORY = History(
+    framework="slime",
+    supported=SUPPORTED,
+    aspects=(
+        Aspect(
+            "groups",
+            (
+                Shape(
+                    "megatron.core.parallel_state (CP, DP without CP, PP)",
+                    "v0.2.0 to main",
+                    tuple(
+                        Feature(_MPU, name)
+                        for name in (
+                            "get_context_parallel_group",
+                            "get_data_parallel_group",
+                            "get_pipeline_model_parallel_group",
+                            "is_pipeline_last_stage",
+                        )
+                    ),
+                ),
+            ),
+            when=(_LOSS,),
+            phrase="groups from {label}",
+        ),
+        Aspect(
+            "hook",
+            (
+                Shape(
+                    "compute_advantages_and_returns(args, rollout_data)",
+                    "v0.2.0 to main",
+                    (Feature(_LOSS, "compute_advantages_and_returns", ("args", "rollout_data")),),
+                ),
+            ),
+            when=(_LOSS,),
+            phrase="hook {label}",
+        ),
+        Aspect(
+            "metrics",
+            tuple(
+                Shape(f"{module}.log", span, (Feature(module, "log", ("step_key",)),))
+                for module, span in _LOG_MODULES
+            ),
+            when=("slime.backends.megatron_utils.model",),
+            phrase="metrics via {label}",
+        ),
+    ),
+)
+
+
 def _unsupported_reason(args: argparse.Namespace) -> str | None:
     backend = getattr(args, "train_backend", "megatron")
     return None if backend == "megatron" else f"--train-backend {backend} (supported: megatron)"
@@ -56,22 +129,27 @@ SLIME_FRAMEWORK = Framework(
     no_input_reason=rollout_logprobs_only,
     unsupported_reason=_unsupported_reason,
     step_samples=slime_step_samples,
+    history=SLIME_HISTORY,
 )
 
 
 def log_wrapper(wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Add the armed ESS metrics to the train-step record (``step_key="train/step"``)."""
-    step_key = kwargs.get("step_key", args[2] if len(args) > 2 else None)
+    """Add the armed ESS metrics to the train-step record (``step_key="train/step"``), every
+    argument bound by name and passed on as given."""
     metrics = ess_metrics()
-    if step_key != "train/step" or not metrics:
+    if not metrics:
         return wrapped(*args, **kwargs)
-    host_args = kwargs.get("args", args[0] if args else None)
-    logged = kwargs.get("metrics", args[1] if len(args) > 1 else None)
-    logged = {**(logged or {}), **{METRIC_PREFIX + k: v for k, v in metrics.items()}}
-    return wrapped(host_args, logged, step_key=step_key)
+    call = bind(wrapped, args, kwargs)
+    if call is None or call.arguments.get("step_key") != "train/step":
+        return wrapped(*args, **kwargs)
+    logged = {
+        **(call.arguments.get("metrics") or {}),
+        **{METRIC_PREFIX + k: v for k, v in metrics.items()},
+    }
+    return call_with(wrapped, call, metrics=logged)
 
 
-_ADVANTAGE_SITES = ("slime.backends.megatron_utils.loss", "slime.backends.megatron_utils.actor")
+_ADVANTAGE_SITES = (_LOSS, "slime.backends.megatron_utils.actor")
 
 SLIME = Integration(
     name="slime",
@@ -79,6 +157,10 @@ SLIME = Integration(
     supported=SUPPORTED,
     targets=(
         *common_targets(SLIME_FRAMEWORK, "slime.utils.arguments", _ADVANTAGE_SITES),
-        Target("slime.observability.logging_utils", "", "log", log_wrapper, decorator="slime_log"),
+        *(
+            Target(module, "", "log", log_wrapper, required=False, decorator="slime_log")
+            for module, _ in _LOG_MODULES
+        ),
     ),
+    history=SLIME_HISTORY,
 )

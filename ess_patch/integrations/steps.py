@@ -72,13 +72,12 @@ def miles_steps(args: Any, rollout_data: dict, dp_size: int) -> list[list[int]]:
     return [list(range(s * per_step, (s + 1) * per_step)) for s in range(num_samples // local)]
 
 
-def miles_step_samples(args: Any, rollout_data: dict) -> list[list[int]]:
-    """:func:`miles_steps` with miles' own ``effective_dp`` size."""
-    from miles.backends.training_utils.parallel import get_parallel_state
+def miles_step_samples(args: Any, rollout_data: dict, dp_size: int) -> list[list[int]]:
+    """:func:`miles_steps` with the size of the DP group the rollout's ESS is reduced over
+    (miles' ``effective_dp``, or ``intra_dp`` / ``dp_size`` in older shapes)."""
+    return miles_steps(args, rollout_data, dp_size)
 
-    return miles_steps(args, rollout_data, get_parallel_state().effective_dp.size)
 
-
-def slime_step_samples(_args: Any, rollout_data: dict) -> list[list[int]]:
+def slime_step_samples(_args: Any, rollout_data: dict, _dp_size: int) -> list[list[int]]:
     """slime's split: always its rollout-side schedule."""
     return schedule_steps(rollout_data["num_microbatches"], rollout_data["micro_batch_indices"])

@@ -36,7 +36,16 @@ from dist_helpers import CollectiveCounter
 from harness import run_ranks
 from reference import reference_ess, reference_steps
 from rollouts import CP, DP, SHAPES, local_batch, rollout
-from upstream import MINIMAL_ARGV, miles_parallel_state, parse_upstream_args, skip_reason
+from upstream import (
+    ENV_VARS,
+    MINIMAL_ARGV,
+    miles_parallel_state,
+    parse_upstream_args,
+    skip_reason,
+    snapshots,
+    tier_reason,
+    use_snapshot,
+)
 
 import ess_patch
 
@@ -103,6 +112,29 @@ def _needs(tier: dict, fw: str):
 
 def _framework_params(tier: dict):
     return [pytest.param(fw, marks=_needs(tier, fw)) for fw in ("miles", "slime")]
+
+
+def _snapshot_params(tier: str = "loss"):
+    """One param per snapshot folder (``upstream.snapshots()``: every ``miles-*`` /
+    ``slime-*`` under ``$ESS_PATCH_UPSTREAM``); vendored mode: the patched trees only."""
+    if VENDORED:
+        found = [(fw, Path(os.environ[ENV_VARS[fw]])) for fw in ("miles", "slime")]
+    else:
+        found = snapshots()
+    if not found:
+        reason = "no upstream snapshot (set ESS_PATCH_UPSTREAM, MILES_SRC or SLIME_SRC)"
+        return [pytest.param(None, None, marks=pytest.mark.skip(reason=reason))]
+    return [
+        pytest.param(
+            fw,
+            str(folder),
+            id=folder.name,
+            marks=pytest.mark.skipif(
+                tier_reason(fw, tier) is not None, reason=tier_reason(fw, tier) or ""
+            ),
+        )
+        for fw, folder in found
+    ]
 
 
 # --- flags --------------------------------------------------------------------------------------
@@ -199,7 +231,8 @@ def _host_args(fw: str, use_ess_lr: bool) -> Namespace:
     )
     if fw == "miles":
         return Namespace(**common, skip_actor_forward_only=False, qkv_format="thd")
-    return Namespace(**common, custom_advantage_function_path=None)
+    # qkv_format: read by slime v0.2.2 to v0.3.0 (bshd support), ignored by the others
+    return Namespace(**common, custom_advantage_function_path=None, qkv_format="thd")
 
 
 def _advantages(compute, args, batch):
@@ -209,38 +242,63 @@ def _advantages(compute, args, batch):
     return data["advantages"], [name for name, _ in counter.calls]
 
 
-def rank_advantage_hook(fw: str) -> dict:
+def _bind_state(compute, state):
+    """miles before 2026-04-04 takes the ParallelState as an argument, as its actors pass it:
+    ``compute_advantages_and_returns(self.args, self.parallel_state, rollout_data)``."""
+    import inspect
+
+    if "parallel_state" not in inspect.signature(compute).parameters:
+        return compute
+    return lambda args, data: compute(args, state, data)
+
+
+def rank_advantage_hook(fw: str, snapshot: str | None = None) -> dict:
+    import inspect
+
     from megatron.core import parallel_state as mpu
 
+    if snapshot is not None:
+        use_snapshot(fw, snapshot)
+    state = None
     if fw == "miles":
         import miles.backends.training_utils.loss as loss
         from miles.backends.training_utils.cp_utils import slice_log_prob_with_cp
 
-        miles_parallel_state()
+        state = miles_parallel_state()
     else:
         import slime.backends.megatron_utils.loss as loss
         from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
+    slice_lp = slice_log_prob_with_cp
+    if "parallel_state" in inspect.signature(slice_log_prob_with_cp).parameters:  # miles 2026-01
+
+        def slice_lp(lp, total, response):
+            return slice_log_prob_with_cp(lp, total, response, state)
+
     dp_rank = mpu.get_data_parallel_rank(with_context_parallel=False)
     dp_size = mpu.get_data_parallel_world_size(with_context_parallel=False)
-    _, batch = local_batch(slice_log_prob_with_cp, dp_rank, dp_size)
+    _, batch = local_batch(slice_lp, dp_rank, dp_size)
+
+    def compute():  # looked up at each call: install() replaces the module attribute
+        return _bind_state(loss.compute_advantages_and_returns, state)
 
     with _upstream(loss, "compute_advantages_and_returns"):
-        plain, plain_calls = _advantages(
-            loss.compute_advantages_and_returns, _host_args(fw, True), batch
-        )
+        plain, plain_calls = _advantages(compute(), _host_args(fw, True), batch)
     _install(fw)
-    off, off_calls = _advantages(loss.compute_advantages_and_returns, _host_args(fw, False), batch)
+    from ess_patch.install import installed_shapes
+
+    shapes = installed_shapes().get(fw)
+    off, off_calls = _advantages(compute(), _host_args(fw, False), batch)
     armed_when_off = ess_patch.armed()
     shadow_args = _host_args(fw, False)
     shadow_args.ess_lr_shadow = True
-    shadow_out, shadow_calls = _advantages(loss.compute_advantages_and_returns, shadow_args, batch)
+    shadow_out, shadow_calls = _advantages(compute(), shadow_args, batch)
     armed_when_shadow = ess_patch.armed()
     shadow = ess_patch.state.STATE.shadow
-    on, on_calls = _advantages(loss.compute_advantages_and_returns, _host_args(fw, True), batch)
+    on, on_calls = _advantages(compute(), _host_args(fw, True), batch)
     result = ess_patch.armed()
     critic_args = _host_args(fw, True)
     critic_args.loss_type = "value_loss"
-    _advantages(loss.compute_advantages_and_returns, critic_args, batch)
+    _advantages(compute(), critic_args, batch)
     if not VENDORED:
         ess_patch.uninstall()
     return {
@@ -254,13 +312,17 @@ def rank_advantage_hook(fw: str) -> dict:
         "shadow": None if shadow is None else (shadow.scale, shadow.rho, shadow.status),
         "result": None if result is None else (result.scale, result.rho, result.status),
         "critic_role": ess_patch.state.STATE.role,
+        "shapes": shapes,
     }
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("fw", _framework_params(LOSS))
-def test_advantage_hook_arms_the_reference_scale_on_every_rank(fw, tmp_path):
-    results = run_ranks(rank_advantage_hook, dp=DP, cp=CP, args=(fw,), tmp_path=tmp_path)
+@pytest.mark.parametrize(("fw", "snapshot"), _snapshot_params("loss"))
+def test_advantage_hook_arms_the_reference_scale_on_every_rank(fw, snapshot, tmp_path):
+    """Every snapshot folder: the real routine, patched by install(), in DP2 x CP2."""
+    results = run_ranks(
+        rank_advantage_hook, dp=DP, cp=CP, args=(fw, snapshot), tmp_path=tmp_path, timeout=120
+    )
     full = rollout()
     ref = reference_ess(
         [s["log_probs"] for s in full],
@@ -287,6 +349,51 @@ def test_advantage_hook_arms_the_reference_scale_on_every_rank(fw, tmp_path):
         # CP: envelopes, then the table; DP: summaries with envelopes
         assert on_calls == [*plain_calls, "all_gather", "all_reduce", "all_gather"]
         assert r["critic_role"] == "critic"
+        if not VENDORED:  # the shape install() chose for this snapshot, recorded
+            assert r["shapes"].startswith(f"{fw}: groups from ") and "hook " in r["shapes"]
+
+
+def rank_pipeline_hook(fw: str, snapshot: str) -> dict:
+    """PP=2: only the last stage has train log-probs (miles returns early on the others);
+    every stage must arm the last stage's result, whatever the version's PP source."""
+    from megatron.core import parallel_state as mpu
+
+    use_snapshot(fw, snapshot)
+    import miles.backends.training_utils.loss as loss
+
+    state = miles_parallel_state()
+    batch = _one_rollout_batch()
+    if not mpu.is_pipeline_last_stage():
+        batch.pop("log_probs")  # what a non-last stage's actor has
+    _install(fw)
+    from ess_patch.install import installed_shapes
+
+    compute = _bind_state(loss.compute_advantages_and_returns, state)
+    compute(_host_args(fw, True), batch)  # returns early (no advantages) on a non-last stage
+    result = ess_patch.armed()
+    return {
+        "last": mpu.is_pipeline_last_stage(),
+        "result": None if result is None else (result.scale, result.rho, result.status),
+        "shapes": None if VENDORED else installed_shapes()[fw],
+    }
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    ("fw", "snapshot"), [p for p in _snapshot_params("loss") if p.values[0] in ("miles", None)]
+)
+def test_every_pipeline_stage_arms_the_last_stages_result(fw, snapshot, tmp_path):
+    results = run_ranks(rank_pipeline_hook, pp=2, args=(fw, snapshot), tmp_path=tmp_path)
+    rollout = _one_rollout_batch()
+    ref = reference_ess(
+        rollout["log_probs"], rollout["rollout_log_probs"], rollout["loss_masks"], mode="product"
+    )
+    assert [r["last"] for r in results] == [False, True]
+    scale, rho, status = results[1]["result"]
+    assert results[0]["result"] == results[1]["result"] and status == "ok"
+    assert scale == pytest.approx(ref["scale"], rel=1e-6) and rho == pytest.approx(ref["rho"])
+    if not VENDORED:
+        assert "PP from " in results[1]["shapes"]
 
 
 def rank_advantage_hook_steps(fw: str) -> dict:
@@ -373,7 +480,11 @@ def _miles_train_step(monkeypatch, flags):
 
         for integration in ("megatron", "miles"):
             for name in INTEGRATIONS[integration].modules:
-                importlib.import_module(name)
+                try:
+                    importlib.import_module(name)
+                except ModuleNotFoundError as exc:  # another version's location of a target
+                    if not (name + ".").startswith(f"{exc.name}."):
+                        raise
     _install(["megatron", "miles"])
     argv = [*MINIMAL_ARGV, "--lr", "1e-2", *flags, "--ess-lr-weight-mode", "product"]
     args = parse_upstream_args("miles", argv)

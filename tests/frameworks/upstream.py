@@ -6,6 +6,9 @@ The snapshots are located through environment variables that ``.ci/run`` and ``t
 - ``SLIME_SRC``: a folder holding ``slime/``,
 - ``MEGATRON_LM_SRC``: a folder holding ``megatron/training`` (what the megatron-core wheel
   lacks; needed only by the "full" tier).
+- ``ESS_PATCH_UPSTREAM``: the folder of snapshots (default: the parent of ``MILES_SRC``, else
+  of ``SLIME_SRC``). :func:`snapshots` finds every ``miles-*`` / ``slime-*`` folder in it, so a
+  new snapshot of either framework is tested by adding its folder.
 
 Two tiers of third-party dependencies (see ``requirements-loss.txt`` / ``requirements-full.txt``
 and NOTES.md):
@@ -51,6 +54,7 @@ if _TESTS_DIR not in sys.path:  # tests/, for the shared skip wording (also in s
 from skips import missing_packages, missing_snapshot  # noqa: E402
 
 __all__ = [
+    "ENV_UPSTREAM",
     "ENV_VARS",
     "STUBS_DIR",
     "TIER_PACKAGES",
@@ -58,6 +62,9 @@ __all__ = [
     "miles_parallel_state",
     "parse_upstream_args",
     "skip_reason",
+    "snapshots",
+    "tier_reason",
+    "use_snapshot",
 ]
 
 ENV_VARS = {"miles": "MILES_SRC", "slime": "SLIME_SRC", "megatron": "MEGATRON_LM_SRC"}
@@ -80,6 +87,8 @@ _FULL_EXTRA = (
     "psutil",
 )
 TIER_PACKAGES[("miles", "full")] = (*TIER_PACKAGES[("miles", "loss")], *_FULL_EXTRA)
+# slime v0.2.0's megatron_utils package imports pandas on the way to its loss module
+TIER_PACKAGES[("slime", "loss")] = (*TIER_PACKAGES[("slime", "loss")], "pandas")
 TIER_PACKAGES[("slime", "full")] = (
     *TIER_PACKAGES[("miles", "loss")],
     *_FULL_EXTRA,
@@ -147,6 +156,68 @@ def skip_reason(framework: str, tier: str = "loss") -> str | None:
     return None
 
 
+ENV_UPSTREAM = "ESS_PATCH_UPSTREAM"
+
+
+def _upstream_root() -> Path | None:
+    root = os.environ.get(ENV_UPSTREAM)
+    if root:
+        return Path(root)
+    for var in ("MILES_SRC", "SLIME_SRC"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).resolve().parent
+    return None
+
+
+def snapshots() -> list[tuple[str, Path]]:
+    """``(framework, folder)`` for every ``miles-*`` / ``slime-*`` folder of the upstream root
+    that holds the package (sorted by name); empty when there is no root."""
+    root = _upstream_root()
+    if root is None or not root.is_dir():
+        return []
+    return [
+        (framework, folder)
+        for framework in ("miles", "slime")
+        for folder in sorted(root.glob(f"{framework}-*"))
+        if (folder / framework / "__init__.py").is_file()
+    ]
+
+
+def tier_reason(framework: str, tier: str = "loss") -> str | None:
+    """Why ``framework``'s ``tier`` cannot run here (missing packages; for the full tier also
+    ``MEGATRON_LM_SRC``), whatever snapshot is used; None when it can. Sets nothing up."""
+    if tier == "full":
+        _, reason = _snapshot_dir("megatron")
+        if reason:
+            return reason
+    missing = _missing_packages(TIER_PACKAGES[(framework, tier)])
+    if missing:
+        return missing_packages(
+            f"the {tier!r} tier of the {framework} tests", missing, _INSTALL_HINT[tier]
+        )
+    return None
+
+
+def use_snapshot(framework: str, folder: str | Path, tier: str = "loss") -> None:
+    """In a fresh process (a rank, a subprocess): import ``framework`` from ``folder``,
+    before any other snapshot on ``sys.path``; for the full tier also megatron and the stubs.
+
+    Raises:
+        RuntimeError: ``framework`` was already imported from elsewhere in this process.
+    """
+    loaded = sys.modules.get(framework)
+    if loaded is not None and not str(loaded.__file__).startswith(str(folder)):
+        raise RuntimeError(f"{framework} is already imported from {loaded.__file__}")
+    sys.path.insert(0, str(folder))
+    if tier == "full":
+        root, reason = _snapshot_dir("megatron")
+        if reason:
+            raise RuntimeError(reason)
+        sys.path.insert(1, str(root))
+        if _needs_stubs() and str(STUBS_DIR) not in sys.path:
+            sys.path.append(str(STUBS_DIR))
+
+
 def import_upstream(module: str, tier: str = "loss") -> ModuleType:
     """Import a real upstream module (``"miles.…"`` / ``"slime.…"``).
 
@@ -209,6 +280,10 @@ def parse_upstream_args(
         stack.enter_context(_argv(argv))
         if not megatron_validate:
             stack.enter_context(_patched(mega_mod, "validate_args", lambda args: None))
+            # slime v0.2.0 imports it from the package inside parse_args
+            package = importlib.import_module(f"{framework}.backends.megatron_utils")
+            if hasattr(package, "validate_args"):
+                stack.enter_context(_patched(package, "validate_args", lambda args: None))
         if quiet:
             stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
         return args_mod.parse_args(add_custom_arguments=add_custom_arguments)
@@ -222,10 +297,39 @@ def miles_parallel_state(*, set_state: bool = True) -> Any:
     args (full tier); this one needs only the loss tier. ``indep_dp`` is the trivial group, as
     without fault tolerance, so ``effective_dp`` is ``intra_dp`` (DP without CP). With
     ``set_state`` it is also installed with miles' ``set_parallel_state``.
+
+    Older miles: only the fields its ``ParallelState`` declares (no ``pp ep etp`` before
+    2026-05-05, no ``indep_dp`` before 2026-07-10); before 2026-04-03 the flat fields
+    (``dp_group cp_group``...), with no ``set_parallel_state`` to call.
     """
+    from dataclasses import fields
+
     from megatron.core import parallel_state as mpu
-    from miles.backends.training_utils.parallel import ParallelState, set_parallel_state
-    from miles.utils.ft_utils.process_group_utils import GroupInfo
+    from miles.backends.training_utils import parallel
+
+    names = {f.name for f in fields(parallel.ParallelState)}
+    if "dp_group" in names:  # 2026-01-12 to 2026-04-02: flat fields, passed as an argument
+        return parallel.ParallelState(
+            dp_rank=mpu.get_data_parallel_rank(with_context_parallel=False),
+            dp_src_rank=mpu.get_data_parallel_src_rank(with_context_parallel=True),
+            dp_size=mpu.get_data_parallel_world_size(with_context_parallel=False),
+            cp_rank=mpu.get_context_parallel_rank(),
+            cp_size=mpu.get_context_parallel_world_size(),
+            dp_cp_rank=mpu.get_data_parallel_rank(with_context_parallel=True),
+            dp_cp_size=mpu.get_data_parallel_world_size(with_context_parallel=True),
+            dp_group=mpu.get_data_parallel_group(with_context_parallel=False),
+            dp_cp_group=mpu.get_data_parallel_group(with_context_parallel=True),
+            dp_cp_group_gloo=None,
+            cp_group=mpu.get_context_parallel_group(),
+            tp_size=mpu.get_tensor_model_parallel_world_size(),
+            tp_rank=mpu.get_tensor_model_parallel_rank(),
+            tp_group=mpu.get_tensor_model_parallel_group(),
+            is_pp_last_stage=mpu.is_pipeline_last_stage(),
+        )
+    ParallelState, set_parallel_state = parallel.ParallelState, parallel.set_parallel_state
+    GroupInfo = getattr(parallel, "GroupInfo", None)  # moved to ft_utils on 2026-07-10
+    if GroupInfo is None:
+        from miles.utils.ft_utils.process_group_utils import GroupInfo
 
     def dp(with_cp: bool) -> Any:
         return GroupInfo(
@@ -241,15 +345,18 @@ def miles_parallel_state(*, set_state: bool = True) -> Any:
             group=getattr(mpu, f"get_{kind}_group")(),
         )
 
+    every = {
+        "intra_dp": lambda: dp(False),
+        "intra_dp_cp": lambda: dp(True),
+        "cp": lambda: info("context_parallel"),
+        "tp": lambda: info("tensor_model_parallel"),
+        "pp": lambda: info("pipeline_model_parallel"),
+        "ep": lambda: info("expert_model_parallel"),
+        "etp": lambda: info("expert_tensor_parallel"),
+        "indep_dp": lambda: GroupInfo(rank=0, size=1, group=None),
+    }
     state = ParallelState(
-        intra_dp=dp(False),
-        intra_dp_cp=dp(True),
-        cp=info("context_parallel"),
-        tp=info("tensor_model_parallel"),
-        pp=info("pipeline_model_parallel"),
-        ep=info("expert_model_parallel"),
-        etp=info("expert_tensor_parallel"),
-        indep_dp=GroupInfo(rank=0, size=1, group=None),
+        **{name: make() for name, make in every.items() if name in names},
         is_pp_last_stage=mpu.is_pipeline_last_stage(),
     )
     if set_state:

@@ -1,0 +1,64 @@
+"""Bind a wrapped host function's arguments by parameter NAME, never by position.
+
+The frameworks reorder and insert parameters across their history (miles'
+``compute_advantages_and_returns(args, parallel_state, rollout_data)`` became
+``(args, rollout_data)``), so every wrapper reads and rewrites arguments through
+:func:`bind`, from the wrapped function's own ``inspect.signature`` (cached per function).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from ..state import STATE
+
+__all__ = ["bind", "call_with", "parameters"]
+
+
+def _signature(function: Callable[..., Any]) -> inspect.Signature | None:
+    key = getattr(function, "__func__", function)
+    try:
+        cached = STATE.signatures.get(key)
+    except TypeError:  # not weak-referenceable (a functools.partial of a method...)
+        cached, key = None, None
+    if cached is not None:
+        return cached
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return None
+    if key is not None:
+        STATE.signatures[key] = signature
+    return signature
+
+
+def parameters(function: Callable[..., Any]) -> tuple[str, ...]:
+    """The parameter names of ``function`` (empty when it has no inspectable signature)."""
+    signature = _signature(function)
+    return () if signature is None else tuple(signature.parameters)
+
+
+def bind(function: Callable[..., Any], args: tuple, kwargs: dict) -> inspect.BoundArguments | None:
+    """``args``/``kwargs`` bound to ``function``'s parameters, defaults applied.
+
+    None when the signature cannot be read or the call does not fit it: the caller then
+    calls through unchanged and the host raises its own ``TypeError``.
+    """
+    signature = _signature(function)
+    if signature is None:
+        return None
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    return bound
+
+
+def call_with(function: Callable[..., Any], bound: inspect.BoundArguments, **changes: Any) -> Any:
+    """Call ``function`` with ``bound``'s arguments, ``changes`` replacing some by name
+    (extra ``**kwargs`` the caller passed are kept)."""
+    bound.arguments.update(changes)
+    return function(*bound.args, **bound.kwargs)
