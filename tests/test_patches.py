@@ -712,17 +712,21 @@ _MRL_SKIP = _snapshot_skip("megatron_rl")
 @pytest.mark.skipif(bool(_MRL_SKIP), reason=_MRL_SKIP or "")
 def test_a_megatron_lm_checkout_holds_two_components_and_each_is_named(tmp_path, capsys):
     """A full Megatron-LM checkout has megatron/core (the megatron-core series) and megatron/rl
-    (the megatron_rl series): asked to guess, the tool names both and changes nothing."""
+    (the megatron_rl series): unnamed, the tool takes megatron-core (what every Megatron user
+    vendors) and says how to get the other; named, each component is patched alone."""
     tree = tmp_path / "Megatron-LM"
     shutil.copytree(os.environ["MEGATRON_RL_SRC"], tree)
     core = Path(importlib.util.find_spec("megatron.core").origin).parent
     (tree / "megatron" / "core").mkdir()
     for name in ("__init__.py", "package_info.py"):
         shutil.copy(core / name, tree / "megatron" / "core" / name)
+    found = patchset.detect(tree)
+    assert (found.component, found.version) == ("megatron-core", VERSION)
+    assert "--component megatron_rl" in found.evidence
     before = _tree_hashes(tree)
-    rc, _, err = _cli(capsys, "apply", "--target", str(tree))
-    assert rc == 1 and "several components (megatron-core, megatron_rl)" in err, err
-    assert "--component" in err and _tree_hashes(tree) == before
+    rc, out, err = _cli(capsys, "check", "--target", str(tree))
+    assert "megatron-core" in out + err and "--component megatron_rl" in out + err
+    assert _tree_hashes(tree) == before  # check changes nothing
     assert patchset.detect(tree, "megatron-core").version == VERSION
     rc, out, _ = _cli(capsys, "apply", "--target", str(tree), "--component", "megatron_rl")
     assert rc == 0 and "series: megatron_rl/55ac70825" in out and "applied 1 patch" in out, out

@@ -440,7 +440,8 @@ def test_the_hook_arms_one_result_per_step_and_logs_each_steps_own(clean_ess):
     lp, rlp, masks = _batch([0.0, 2.0, 0.1, 0.3])
     data = {"log_probs": lp, "rollout_log_probs": rlp, "loss_masks": masks}
     args = Namespace(use_ess_lr=True, ess_lr_granularity="step", ess_lr_weight_mode="product")
-    out = advantage_wrapper(STEPPED)(lambda args, rollout_data: "advantages", None, (args, data), {})
+    hook = advantage_wrapper(STEPPED)
+    out = hook(lambda args, rollout_data: "advantages", None, (args, data), {})
     assert out == "advantages"
     refs = reference_steps(lp, rlp, masks, [[0, 1], [2, 3]], mode="product")
     steps = ess_patch.armed_steps()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import hashlib
 import os
 import re
@@ -309,6 +310,13 @@ def detect(target: Path, component: str | None = None) -> Tree:
             f"cannot tell what {target} is: none of {looked} is in it. "
             "Point --target at the tree root (e.g. a Megatron-LM checkout) or pass --component"
         )
+    names = {t.component for t in trees}
+    if names == {"megatron-core", "megatron_rl"}:
+        # A Megatron-LM checkout: its optimizers (megatron-core) are what every Megatron user
+        # vendors, as before megatron_rl had a series; Megatron-RL is the opt-in second one.
+        core = next(t for t in trees if t.component == "megatron-core")
+        note = "; it also holds megatron/rl: --component megatron_rl patches Megatron-RL"
+        return dataclasses.replace(core, evidence=core.evidence + note)
     if len(trees) > 1:
         raise UnknownTreeError(
             f"{target} holds several components ({', '.join(t.component for t in trees)}); "
