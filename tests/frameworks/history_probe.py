@@ -61,11 +61,11 @@ def _nothing_patched(fw: str) -> bool:
 
 
 def slime_import_time_error() -> dict:
-    """The train-step module imported while no known log location has ``log``: an
-    ImportError-time MissingTargetError, and slime rolled back (parse_args unwrapped)."""
+    """The train-step module imported while no known log location has ``log``: the import
+    goes on, slime is rolled back (parse_args unwrapped) and the reason is recorded."""
     import ess_patch
-    from ess_patch.patching import MissingTargetError
-    from ess_patch.state import STATE, reset
+    from ess_patch.install import INSTALLATION, failed_integrations
+    from ess_patch.state import reset
 
     removed = [(m, vars(m)["log"]) for m in _existing(LOG_MODULES) if "log" in vars(m)]
     for module, _ in removed:
@@ -73,19 +73,17 @@ def slime_import_time_error() -> dict:
     ess_patch.install("slime")
     importlib.import_module("slime.utils.arguments")
     wrapped_before = not _nothing_patched("slime")
-    error = None
     try:
-        importlib.import_module("slime.backends.megatron_utils.model")
-    except MissingTargetError as exc:
-        error = str(exc)
+        importlib.import_module("slime.backends.megatron_utils.model")  # must not raise
     finally:
         for module, original in removed:
             module.log = original
+    error = failed_integrations().get("slime")
     out = {
         "removed": [m.__name__ for m, _ in removed],
         "wrapped_before": wrapped_before,
         "error": error,
-        "still_installed": sorted(STATE.installed or {}),
+        "still_installed": sorted(INSTALLATION.patches or {}),
         "nothing_patched": _nothing_patched("slime"),
     }
     ess_patch.uninstall()
