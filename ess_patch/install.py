@@ -24,7 +24,7 @@ from .integrations.megatron import MEGATRON
 from .integrations.megatron_rl import MEGATRON_RL
 from .integrations.miles import MILES
 from .integrations.slime import SLIME
-from .patching import Patch, apply, revert
+from .patching import Patch, apply, revert, unwrap_copy
 from .state import STATE, disarm
 
 __all__ = [
@@ -245,6 +245,8 @@ def _roll_back(name: str, error: BaseException) -> None:
     patches = INSTALLATION.patches.pop(name, []) if INSTALLATION.patches is not None else []
     for patch in reversed(patches):
         revert(patch)
+    for target in INTEGRATIONS[name].targets:  # copies made by modules still mid-import
+        unwrap_copy(target)
     reason = f"{name}: not installed: {error}"
     if not isinstance(error, ImportError):
         reason = f"{name}: not installed: {type(error).__name__}: {error}"

@@ -148,6 +148,19 @@ def apply(target: Target, supported: str) -> Patch | None:
     return Patch(target=target, holder=holder, original=original)
 
 
+def unwrap_copy(target: Target) -> bool:
+    """Put the plain function back at ``target`` if it holds one of our wrappers that no
+    :class:`Patch` records: a module that copied a wrapper by name (``from .loss import f``)
+    while it was still being imported, when its integration was rolled back before that
+    module finished. Returns whether something was put back."""
+    holder = _holder(target)
+    current = vars(holder).get(target.attribute) if holder is not None else None
+    if not is_ours(current):
+        return False
+    setattr(holder, target.attribute, current.__wrapped__)
+    return True
+
+
 def revert(patch: Patch) -> None:
     """Put the original back, if our wrapper is still the one in place."""
     current = vars(patch.holder).get(patch.target.attribute)

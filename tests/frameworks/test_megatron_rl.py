@@ -562,37 +562,65 @@ def _tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     }
 
 
-def test_metrics_reach_megatron_rls_writers(installed, tmp_path):
-    """The real ``maybe_log_training_metrics`` with a real tensorboard ``SummaryWriter`` and
-    wandb's own tables: the ESS metrics land beside Megatron-RL's, at the same step, under
-    its flat naming (``mean_reward``, ``lr_scale``...)."""
+def rank_writers() -> dict:
+    """The writer test's body, in a fresh process: the pytest process may already hold another
+    Megatron-LM's ``megatron.rl`` (the miles tests import theirs)."""
+    import tempfile
+
+    # this process may have inherited another Megatron-LM snapshot ahead on sys.path (the
+    # launcher's forkserver starts with the path of the session): ours first
+    sys.path[:] = [SRC, *(p for p in sys.path if p != SRC)]
+    import megatron.training.arguments
+    import megatron.training.initialize  # noqa: F401  (before install: its by-name copy)
     from megatron.rl import rl_utils
     from torch.utils.tensorboard import SummaryWriter
 
-    from ess_patch import arm
+    import ess_patch
     from ess_patch.result import EssLrResult
 
-    writer, wandb_run = SummaryWriter(log_dir=str(tmp_path / "tb")), _WandbRun()
+    _install()
+    log_dir = Path(tempfile.mkdtemp()) / "tb"
+    writer, wandb_run = SummaryWriter(log_dir=str(log_dir)), _WandbRun()
     rl_utils.maybe_log_training_metrics(_group_stats(), 3, None, [], wandb_run, writer)
     result = EssLrResult(
         scale=0.5, rho=0.25, ess=2.0, num_trajectories=8, num_empty=0, num_nonfinite=0, status="ok"
     )
-    arm(result)
+    ess_patch.arm(result)
     try:
         rl_utils.maybe_log_training_metrics(_group_stats(), 4, None, [], wandb_run, writer)
     finally:
-        installed.disarm()
+        ess_patch.disarm()
+        ess_patch.uninstall()
     writer.close()
-    scalars = _tensorboard_scalars(tmp_path / "tb")
+    numbers = [
+        ({k: v for k, v in m.items() if isinstance(v, (int, float))}, step)
+        for m, step in wandb_run.logged
+    ]
+    return {
+        "rl_utils": rl_utils.__file__,
+        "scalars": _tensorboard_scalars(log_dir),
+        "logged": numbers,
+        "metrics": result.metrics(),
+    }
+
+
+def test_metrics_reach_megatron_rls_writers(tmp_path):
+    """The real ``maybe_log_training_metrics`` with a real tensorboard ``SummaryWriter`` and
+    wandb's own tables: the ESS metrics land beside Megatron-RL's, at the same step, under
+    its flat naming (``mean_reward``, ``lr_scale``...)."""
+    (r,) = run_ranks(rank_writers, dp=1, tmp_path=tmp_path, timeout=120)
+    assert r["rl_utils"].startswith(str(Path(SRC).resolve())) or r["rl_utils"].startswith(SRC)
+    scalars = r["scalars"]
     assert scalars["mean_reward"] == [(3, 0.5), (4, 0.5)]  # upstream's own, untouched
     assert scalars["lr_scale"] == [(4, 0.5)]  # nothing armed at step 3: nothing of ours
     assert scalars["rho_ess"] == [(4, 0.25)] and scalars["ess"] == [(4, 2.0)]
     assert scalars["ess_num_trajectories"] == [(4, 8.0)]
-    steps = [step for _, step in wandb_run.logged]
+    logged = r["logged"]
+    steps = [step for _, step in logged]
     assert steps == [3, 4, 4]  # upstream's record, then upstream's and ours at step 4
-    ours = wandb_run.logged[2][0]
-    assert ours == result.metrics() and ours["lr_scale"] == 0.5 and ours["rho_ess"] == 0.25
-    assert "mean_reward" in wandb_run.logged[1][0] and "lr_scale" not in wandb_run.logged[0][0]
+    ours = logged[2][0]
+    assert ours == r["metrics"] and ours["lr_scale"] == 0.5 and ours["rho_ess"] == 0.25
+    assert "mean_reward" in logged[1][0] and "lr_scale" not in logged[0][0]
 
 
 def test_a_new_collection_drops_the_last_ones_scale(installed, caplog):

@@ -85,7 +85,7 @@ def test_slime_split_is_its_schedule_and_each_step_is_one_global_batch(dynamic):
             "sample_id": [partitions[rank][i] for i in range(len(partitions[rank]))],
         }
         want = _consumed(data_module.DataIterator(local, indices[rank]), num_microbatches)
-        got = slime_step_samples(None, local)
+        got = slime_step_samples(None, local, 2)
         assert [sorted(local["sample_id"][i] for i in step) for step in got] == want
         for s, step in enumerate(want):
             per_step[s] |= set(step)
