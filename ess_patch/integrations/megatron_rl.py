@@ -37,6 +37,7 @@ from typing import Any
 from ..patching import MissingTargetError, Target
 from ..state import STATE, arm, armed, disarm
 from . import Integration
+from .binding import bind, parameters
 from .rl_hooks import (
     Framework,
     Groups,
@@ -115,20 +116,17 @@ MEGATRON_RL_FRAMEWORK = Framework(
 
 
 def _bind(wrapped: Callable[..., Any], name: str, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The call's arguments by parameter name, or a clear error if the host's shape differs."""
-    try:
-        signature = inspect.signature(wrapped)
-    except (TypeError, ValueError):  # pragma: no cover - C functions
-        return dict(kwargs)
-    missing = [p for p in _SIGNATURES[name] if p not in signature.parameters]
+    """The call's arguments by parameter name (:func:`binding.bind`), or a clear error if the
+    host's shape differs."""
+    names = parameters(wrapped)
+    missing = [p for p in _SIGNATURES[name] if names and p not in names]
     if missing:
         raise MissingTargetError(
             f"ess-patch ({NAME}): {wrapped.__module__}.{name} has no parameter "
             f"{', '.join(missing)}. Supported: {SUPPORTED}"
         )
-    bound = signature.bind_partial(*args, **kwargs)
-    bound.apply_defaults()
-    return dict(bound.arguments)
+    call = bind(wrapped, args, kwargs)
+    return dict(kwargs) if call is None else dict(call.arguments)
 
 
 #: What the hooks use besides the wrapped functions: module -> names it must define.
