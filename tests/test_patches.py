@@ -463,12 +463,16 @@ class Snapshot:
     def marker(self) -> str:
         return f"{self.package or self.component}/__init__.py"
 
-    def sites(self) -> list:
+    def sites(self, tree: Path) -> list:
+        """The call sites this snapshot's series decorates: those whose file ``tree`` has
+        (the target table lists every version's locations, e.g. slime's three ``log``s)."""
         moved = dict(self.moved)
-        return [
-            dataclasses.replace(s, path=moved.get(s.path, s.path))
-            for s in ess_patch.vendored.CALL_SITES[self.component]
-        ]
+        out = []
+        for s in ess_patch.vendored.CALL_SITES[self.component]:
+            site = dataclasses.replace(s, path=moved.get(s.path, s.path))
+            if (tree / site.path).is_file() and site not in out:
+                out.append(site)
+        return out
 
     def pick(self) -> tuple[str, ...]:
         """The CLI arguments that choose this series where install() has gaps."""
@@ -596,7 +600,7 @@ def test_framework_series_adds_only_guarded_imports_and_decorators(snapshot):
         if line.startswith("+") and not line.startswith("+++")
     ]
     decorators = [line.strip() for line in added if line.strip().startswith("@")]
-    sites = snap.sites()
+    sites = snap.sites(tree)
     assert sorted(decorators) == sorted(f"@{s.alias}" for s in sites)
     imports = [line.strip() for line in added if "import" in line and "ess_patch" in line]
     assert sorted(i for i in imports if i.startswith("from ")) == sorted(
@@ -661,7 +665,7 @@ def test_framework_revert_restores_the_snapshot_byte_for_byte(snapshot, capsys):
 @_framework_test
 def test_framework_conflicting_hand_edit_is_refused_naming_the_file(snapshot, capsys):
     snap, tree = snapshot
-    site = snap.sites()[1]  # compute_advantages_and_returns
+    site = snap.sites(tree)[1]  # compute_advantages_and_returns
     edited = tree / site.path
     text = edited.read_text()
     old = f"def {site.function}("

@@ -175,13 +175,16 @@ def edit(path: Path, component: str, sites: list[CallSite]) -> None:
     path.write_text("".join(lines), encoding="utf-8")
 
 
-def call_sites(component: str, moved: dict[str, str] | None = None) -> list[CallSite]:
+def call_sites(component: str, root: Path, moved: dict[str, str] | None = None) -> list[CallSite]:
     """``CALL_SITES[component]`` for one snapshot: a site whose file is a key of ``moved``
-    is in the file it maps to."""
+    is in the file it maps to; sites whose file ``root`` does not have are left out (the
+    target table lists every version's locations, e.g. slime's three ``log`` modules)."""
     moved = dict(moved or {})
-    sites = []
+    sites: list[CallSite] = []
     for site in CALL_SITES[component]:
-        sites.append(dataclasses.replace(site, path=moved.pop(site.path, site.path)))
+        site = dataclasses.replace(site, path=moved.pop(site.path, site.path))
+        if (root / site.path).is_file() and site not in sites:
+            sites.append(site)
     if moved:
         raise SystemExit(f"--moved {', '.join(moved)}: no {component} call site is in that file")
     return sites
@@ -197,7 +200,7 @@ def generate(
     if not re.fullmatch(r"[0-9a-f]{9,40}", commit):
         raise SystemExit(f"--commit must be the commit (9 to 40 hex digits), not {commit!r}")
     tree = detect(tree_dir, component)
-    sites = call_sites(component, moved)
+    sites = call_sites(component, tree.root, moved)
     by_file: dict[str, list[CallSite]] = {}
     for site in sites:
         by_file.setdefault(site.path, []).append(site)
