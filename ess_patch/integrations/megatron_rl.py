@@ -493,6 +493,14 @@ MEGATRON_RL = Integration(
     distribution=None,
     supported=SUPPORTED,
     targets=(
+        # the order of the call sites in the patches/ series' message
+        Target(
+            "megatron.training.arguments",
+            "",
+            "parse_args",
+            parse_args_wrapper,
+            decorator="megatron_rl_parse_args",
+        ),
         Target(
             _RL_UTILS,
             "",
@@ -521,13 +529,6 @@ MEGATRON_RL = Integration(
             "maybe_log_training_metrics",
             log_metrics_wrapper,
             decorator="megatron_rl_log_metrics",
-        ),
-        Target(
-            "megatron.training.arguments",
-            "",
-            "parse_args",
-            parse_args_wrapper,
-            decorator="megatron_rl_parse_args",
         ),
         Target(
             "megatron.training.initialize", "", "parse_args", parse_args_wrapper, required=False
