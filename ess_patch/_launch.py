@@ -299,17 +299,30 @@ def _check_target(fn: Callable[..., Any]) -> tuple[str, str]:
         raise TypeError(f"{module}.{qualname} is not importable by name: {exc}") from exc
     if resolved is not fn:
         raise TypeError(f"{module}.{qualname} does not resolve to {fn!r}")
-    # The children import it from the parent's sys.path (not from sys.modules): make sure the
-    # top-level package is really there (pytest's importlib import mode would hide it).
+    # The children import it afresh (not from sys.modules): make sure the import system can
+    # find the top-level package (pytest's importlib import mode would hide it). The finders
+    # on sys.meta_path are the children's too: sys.path, and the finder pip's editable
+    # install registers from a .pth (a `pip install -e .` checkout is not on sys.path).
     top = module.partition(".")[0]
-    if top not in sys.builtin_module_names and (
-        importlib.machinery.PathFinder.find_spec(top, sys.path) is None
-    ):
+    if top not in sys.builtin_module_names and not _findable(top):
         raise TypeError(
             f"module {top!r} (of {module}.{qualname}) is not on sys.path, so ranks cannot import"
             " it; run pytest with the default 'prepend' import mode or add its directory"
         )
     return module, qualname
+
+
+def _findable(top: str) -> bool:
+    for finder in sys.meta_path:
+        find_spec = getattr(finder, "find_spec", None)
+        if find_spec is None:
+            continue
+        try:
+            if find_spec(top, None) is not None:
+                return True
+        except (ImportError, ValueError, TypeError):  # a finder that cannot answer: next
+            continue
+    return False
 
 
 @contextlib.contextmanager

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import itertools
 import os
+import sys
 import time
+from pathlib import Path
 
 import harness
 import pytest
@@ -217,3 +221,35 @@ def test_unimportable_functions_are_refused():
         run_ranks(local)
     with pytest.raises(ValueError, match="dp must be"):
         run_ranks(_hang_on_rank_1, dp=0)
+
+
+class _EditableFinder(importlib.abc.MetaPathFinder):
+    """What pip's editable install registers from a .pth: a package found by a meta-path
+    finder, its directory not on sys.path."""
+
+    def __init__(self, name: str, init: Path):
+        self.name, self.init = name, init
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        return importlib.util.spec_from_file_location(
+            fullname, self.init, submodule_search_locations=[str(self.init.parent)]
+        )
+
+
+def test_a_package_found_only_by_a_meta_path_finder_is_accepted(tmp_path, monkeypatch):
+    from ess_patch import _launch
+
+    package = tmp_path / "hidden_pkg_for_launch"
+    package.mkdir()
+    (package / "__init__.py").write_text("def fn():\n    return 1\n")
+    assert not _launch._findable("hidden_pkg_for_launch")  # neither on sys.path nor found
+    monkeypatch.setattr(
+        sys, "meta_path", [*sys.meta_path, _EditableFinder(package.name, package / "__init__.py")]
+    )
+    monkeypatch.delitem(sys.modules, "hidden_pkg_for_launch", raising=False)
+    import hidden_pkg_for_launch
+
+    assert _launch._check_target(hidden_pkg_for_launch.fn) == ("hidden_pkg_for_launch", "fn")
+    monkeypatch.delitem(sys.modules, "hidden_pkg_for_launch")
