@@ -531,6 +531,7 @@ def _group_stats() -> SimpleNamespace:
         max_length=13,
         min_length=11,
         mean_reward=0.5,
+        mean_sim=0.0,  # read by the miles-main fork (2e64d788b), not by core_v0.16.1
     )
     for kind in ("piold_to_inf_prob", "inf_train_prob_abs_diff", "inf_prob"):
         stats.update({f"{m}_{kind}": 1.0 for m in ("min", "max", "mean")})

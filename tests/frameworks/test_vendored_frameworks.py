@@ -21,12 +21,11 @@ import os
 import shutil
 import subprocess
 import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 from skips import missing_packages, missing_snapshot
-from upstream import ENV_VARS, skip_reason
+from upstream import ENV_VARS, run_pytest, skip_reason
 
 from ess_patch import patchset
 from ess_patch.patchset.cli import main as patches_main
@@ -93,27 +92,9 @@ def _env(patched: dict[str, Path], **extra: str) -> dict[str, str]:
 
 @MILES_SLIME
 def test_framework_tests_pass_on_the_patched_trees_without_install(patched, tmp_path):
-    report = tmp_path / "report.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
-    cmd += ["-p", "no:randomly", "--rootdir", str(TESTS.parent), f"--junitxml={report}"]
-    cmd.append(str(FRAMEWORKS / "test_integration.py"))
-    result = subprocess.run(
-        cmd,
-        cwd=tmp_path,
-        env=_env(patched, ESS_PATCH_TEST_MODE="vendored"),
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
+    names, skipped, tail = run_pytest(
+        FRAMEWORKS / "test_integration.py", _env(patched, ESS_PATCH_TEST_MODE="vendored"), tmp_path
     )
-    tail = result.stdout[-4000:] + result.stderr[-2000:]
-    assert result.returncode == 0, tail
-    cases = ET.parse(report).getroot().iter("testcase")
-    passed, skipped = [], []
-    for case in cases:
-        skip = case.find("skipped")
-        (passed if skip is None else skipped).append((case.get("name"), skip))
-    names = {name for name, _ in passed}
     for fw in ("miles", "slime"):
         assert {
             f"test_parser_accepts_the_flags_and_changes_no_default[{fw}]",
@@ -126,9 +107,9 @@ def test_framework_tests_pass_on_the_patched_trees_without_install(patched, tmp_
         "test_slime_train_log_gets_the_metrics",
         "test_fsdp_actor_attaches_its_optimizer_when_enabled",
     } <= names, tail
-    assert len(passed) + len(skipped) >= 19, tail
-    for name, skip in skipped:
-        assert ALLOWED_SKIP in (skip.get("message") or ""), f"{name} skipped: {tail}"
+    assert len(names) + len(skipped) >= 19, tail
+    for name, message in skipped:
+        assert ALLOWED_SKIP in message, f"{name} skipped: {tail}"
 
 
 @MILES_SLIME
@@ -199,26 +180,8 @@ def _mrl_env(tree: Path, **extra: str) -> dict[str, str]:
 
 @MEGATRON_RL
 def test_megatron_rl_tests_pass_on_the_patched_tree_without_install(patched_megatron_rl, tmp_path):
-    report = tmp_path / "report.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
-    cmd += ["-p", "no:randomly", "--rootdir", str(TESTS.parent), f"--junitxml={report}"]
-    cmd.append(str(FRAMEWORKS / "test_megatron_rl.py"))
-    result = subprocess.run(
-        cmd,
-        cwd=tmp_path,
-        env=_mrl_env(patched_megatron_rl, ESS_PATCH_TEST_MODE="vendored"),
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    tail = result.stdout[-4000:] + result.stderr[-2000:]
-    assert result.returncode == 0, tail
-    passed, skipped = [], []
-    for case in ET.parse(report).getroot().iter("testcase"):
-        skip = case.find("skipped")
-        (passed if skip is None else skipped).append((case.get("name"), skip))
-    names = {name for name, _ in passed}
+    env = _mrl_env(patched_megatron_rl, ESS_PATCH_TEST_MODE="vendored")
+    names, skipped, tail = run_pytest(FRAMEWORKS / "test_megatron_rl.py", env, tmp_path)
     assert {
         "test_unpacked_arms_the_reference_scale_on_every_rank[dp2xcp2]",
         "test_unpacked_arms_the_reference_scale_on_every_rank[dp2xpp2]",
@@ -229,9 +192,9 @@ def test_megatron_rl_tests_pass_on_the_patched_tree_without_install(patched_mega
         "test_metrics_reach_megatron_rls_writers",
         "test_mismatched_packed_shapes_are_an_error_on_every_rank",
     } <= names, tail
-    assert len(passed) >= 15 and len(passed) + len(skipped) >= 16, tail
-    for name, skip in skipped:
-        assert ALLOWED_MRL_SKIP in (skip.get("message") or ""), f"{name} skipped: {tail}"
+    assert len(names) >= 15 and len(names) + len(skipped) >= 16, tail
+    for name, message in skipped:
+        assert ALLOWED_MRL_SKIP in message, f"{name} skipped: {tail}"
 
 
 @MEGATRON_RL

@@ -183,6 +183,47 @@ def snapshots() -> list[tuple[str, Path]]:
     ]
 
 
+def megatron_lm_snapshots() -> list[Path]:
+    """Every ``megatron-lm-*`` folder of the upstream root that holds Megatron-RL
+    (``megatron/rl/rl_utils.py``), sorted by name; empty when there is no root."""
+    root = _upstream_root()
+    if root is None or not root.is_dir():
+        return []
+    return [
+        folder
+        for folder in sorted(root.glob("megatron-lm-*"))
+        if (folder / "megatron" / "rl" / "rl_utils.py").is_file()
+    ]
+
+
+def run_pytest(
+    test_file: Path, env: dict[str, str], cwd: Path, timeout: float = 900
+) -> tuple[set[str], list[tuple[str, str]], str]:
+    """Run one test file in a fresh interpreter (its own ``sys.modules`` and ``sys.path``):
+    the names of the tests that passed, ``(name, skip message)`` of those skipped, and the
+    output's tail. Fails the caller's test when the run fails."""
+    import subprocess
+    import xml.etree.ElementTree as ET
+
+    report = cwd / f"{test_file.stem}-report.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
+    cmd += ["-p", "no:randomly", "--rootdir", str(Path(__file__).resolve().parents[2])]
+    cmd += [f"--junitxml={report}", str(test_file)]
+    result = subprocess.run(
+        cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    tail = result.stdout[-4000:] + result.stderr[-2000:]
+    assert result.returncode == 0, tail
+    passed, skipped = set(), []
+    for case in ET.parse(report).getroot().iter("testcase"):
+        skip = case.find("skipped")
+        if skip is None:
+            passed.add(case.get("name"))
+        else:
+            skipped.append((case.get("name"), skip.get("message") or ""))
+    return passed, skipped, tail
+
+
 def tier_reason(framework: str, tier: str = "loss") -> str | None:
     """Why ``framework``'s ``tier`` cannot run here (missing packages; for the full tier also
     ``MEGATRON_LM_SRC``), whatever snapshot is used; None when it can. Sets nothing up."""
