@@ -171,6 +171,28 @@ def check_envelopes(
     return None
 
 
+def _pp_stage(
+    payload: object, pp_group: object | None, error: BaseException | None, caller: str
+) -> tuple[bool | None, BaseException | None]:
+    """The checks both PP broadcasts start with: ``(None, None)`` for a single stage (after
+    raising its ``error``, or its missing payload); else whether this is the last stage, and
+    the error to flag (a last stage that passed nothing becomes one, so every stage joins)."""
+    size = group_size(pp_group, "PP")
+    if size <= 1:
+        if error is not None:
+            raise error
+        if payload is None:
+            raise ValueError(f"{caller}: the last pipeline stage passed nothing to broadcast")
+        return None, None
+    is_last = dist.get_rank(pp_group) == size - 1
+    if is_last and payload is None and error is None:
+        error = ValueError(
+            f"{caller}: the last pipeline stage (rank {dist.get_rank()}) passed nothing; it "
+            "must compute its result (compute_ess_lr / compute_ess_lr_steps) before broadcasting"
+        )
+    return is_last, error
+
+
 def broadcast_from_last_stage(
     result: EssLrResult | None,
     pp_group: object | None,
@@ -189,19 +211,9 @@ def broadcast_from_last_stage(
         ValueError: the last stage (or a single-stage run) passed None without an error.
         InvalidInputsElsewhereError / ConfigMismatchError: see :func:`check_envelopes`.
     """
-    size = group_size(pp_group, "PP")
-    if size <= 1:
-        if error is not None:
-            raise error
-        if result is None:
-            raise ValueError("broadcast_from_last_stage: the last pipeline stage passed no result")
-        return result
-    is_last = dist.get_rank(pp_group) == size - 1
-    if is_last and result is None and error is None:
-        error = ValueError(
-            f"broadcast_from_last_stage: the last pipeline stage (rank {dist.get_rank()}) passed "
-            "no result; it must compute one (compute_ess_lr) before broadcasting"
-        )
+    is_last, error = _pp_stage(result, pp_group, error, "broadcast_from_last_stage")
+    if is_last is None:  # a single stage
+        return result  # type: ignore[return-value]
     payload = torch.zeros(ENCODED_SIZE, dtype=torch.float64)
     if is_last and error is None:
         payload = torch.tensor(result.encode(), dtype=torch.float64)  # type: ignore[union-attr]
@@ -251,21 +263,9 @@ def broadcast_steps_from_last_stage(
         ValueError: the last stage (or a single-stage run) passed None without an error.
         InvalidInputsElsewhereError / ConfigMismatchError: see :func:`check_envelopes`.
     """
-    size = group_size(pp_group, "PP")
-    if size <= 1:
-        if error is not None:
-            raise error
-        if results is None:
-            raise ValueError(
-                "broadcast_steps_from_last_stage: the last pipeline stage passed no results"
-            )
-        return list(results)
-    is_last = dist.get_rank(pp_group) == size - 1
-    if is_last and results is None and error is None:
-        error = ValueError(
-            f"broadcast_steps_from_last_stage: the last pipeline stage (rank {dist.get_rank()}) "
-            "passed no results; it must compute them (compute_ess_lr_steps) before broadcasting"
-        )
+    is_last, error = _pp_stage(results, pp_group, error, "broadcast_steps_from_last_stage")
+    if is_last is None:  # a single stage
+        return list(results)  # type: ignore[arg-type]
     rows = len(results) if is_last and error is None else 0  # type: ignore[arg-type]
     # shaped like broadcast_from_last_stage's one gather (envelope, result), so that a stage
     # running the other granularity meets the same sizes and both raise ConfigMismatchError

@@ -360,31 +360,7 @@ def compute_from_rollout(
     """This rollout's result, identical on every rank of the actor (arms nothing).
 
     ``groups``: the process groups (default: ``framework.groups()``)."""
-    # Imported here: install() (run at start-up by the auto-install) must not import torch.
-    from ..compute import compute_ess_lr
-    from ..reduction import broadcast_from_last_stage
-
-    groups = framework.groups() if groups is None else groups
-    config = config_from_args(args)
-    result = None
-    error: BaseException | None = None
-    try:
-        if groups.is_pp_last:
-            result = compute_ess_lr(
-                rollout_data.get("log_probs"),
-                rollout_data.get("rollout_log_probs"),
-                rollout_data.get("loss_masks"),
-                config=config,
-                cp_group=groups.cp_group,
-                dp_group=groups.dp_group,
-                prepare_masks=_mask_preparer(groups, args, rollout_data),
-            )
-    except Exception as exc:
-        error = exc  # the other pipeline stages learn of it through the broadcast
-    result = broadcast_from_last_stage(result, groups.pp_group, config=config, error=error)
-    if result.status == "missing":
-        _warn_missing(framework, rollout_data)
-    return result
+    return _on_every_rank(framework, args, rollout_data, groups, per_step=False)
 
 
 def compute_steps_from_rollout(
@@ -394,35 +370,47 @@ def compute_steps_from_rollout(
     ``framework.step_samples`` says that step trains on; identical on every rank.
 
     ``groups``: the process groups (default: ``framework.groups()``)."""
-    from ..compute import compute_ess_lr_steps
-    from ..reduction import broadcast_steps_from_last_stage
-
     if framework.step_samples is None:
         raise ValueError(f"granularity 'step' is not supported with {framework.name}")
-    split = framework.step_samples
+    return _on_every_rank(framework, args, rollout_data, groups, per_step=True)
+
+
+def _on_every_rank(
+    framework: Framework, args: Any, rollout_data: dict, groups: Groups | None, *, per_step: bool
+) -> Any:
+    """Compute on the last pipeline stage, then broadcast: a failure there (or anywhere in
+    the CP/DP collectives) reaches every stage instead of leaving it waiting."""
+    # Imported here: install() (run at start-up by the auto-install) must not import torch.
+    from ..compute import compute_ess_lr, compute_ess_lr_steps
+    from ..reduction import broadcast_from_last_stage, broadcast_steps_from_last_stage
+
     groups = framework.groups() if groups is None else groups
     config = config_from_args(args)
-    results = None
+    inputs = [rollout_data.get(k) for k in ("log_probs", "rollout_log_probs", "loss_masks")]
+    options = {
+        "config": config,
+        "cp_group": groups.cp_group,
+        "dp_group": groups.dp_group,
+        "prepare_masks": _mask_preparer(groups, args, rollout_data),
+    }
+    out = None
     error: BaseException | None = None
     try:
-        if groups.is_pp_last:
-            results = compute_ess_lr_steps(
-                rollout_data.get("log_probs"),
-                rollout_data.get("rollout_log_probs"),
-                rollout_data.get("loss_masks"),
-                # a failure to split reaches every rank
-                lambda: split(args, rollout_data, _group_size(groups.dp_group)),
-                config=config,
-                cp_group=groups.cp_group,
-                dp_group=groups.dp_group,
-                prepare_masks=_mask_preparer(groups, args, rollout_data),
-            )
+        if groups.is_pp_last and per_step:
+            split = framework.step_samples
+            dp_size = _group_size(groups.dp_group)
+            # the split runs inside, so that a failure to split reaches every rank
+            steps = lambda: split(args, rollout_data, dp_size)  # noqa: E731
+            out = compute_ess_lr_steps(*inputs, steps, **options)
+        elif groups.is_pp_last:
+            out = compute_ess_lr(*inputs, **options)
     except Exception as exc:
-        error = exc
-    results = broadcast_steps_from_last_stage(results, groups.pp_group, config=config, error=error)
-    if any(r.status == "missing" for r in results):
+        error = exc  # the other pipeline stages learn of it through the broadcast
+    broadcast = broadcast_steps_from_last_stage if per_step else broadcast_from_last_stage
+    out = broadcast(out, groups.pp_group, config=config, error=error)
+    if any(r.status == "missing" for r in (out if per_step else [out])):
         _warn_missing(framework, rollout_data)
-    return results
+    return out
 
 
 def _group_size(group: Any) -> int:

@@ -3,6 +3,8 @@ rank's ``rollout_data`` sliced the way miles and slime slice it."""
 
 from __future__ import annotations
 
+from argparse import Namespace
+
 import torch
 
 DP, CP = 2, 2
@@ -55,3 +57,27 @@ def local_batch(slice_log_prob, dp_rank: int, dp_size: int) -> tuple[list[int], 
         batch["total_lengths"].append(s["total_length"])
         batch["rewards"].append(s["reward"])
     return mine, batch
+
+
+def host_args(fw: str, use_ess_lr: bool = True) -> Namespace:
+    """The args ``compute_advantages_and_returns`` reads (grpo, whitening on: miles/slime
+    whiten over DP, so their own collective runs too), with ESS-LR on or off."""
+    common = dict(
+        advantage_estimator="grpo",
+        kl_coef=0.0,
+        kl_loss_type="low_var_kl",
+        normalize_advantages=True,
+        use_rollout_logprobs=False,
+        use_opd=False,
+        loss_type="policy_loss",
+        use_ess_lr=use_ess_lr,
+        ess_lr_floor=0.1,
+        ess_lr_weight_mode="product",
+        ess_lr_rule="sqrt",
+        ess_lr_base_ratio=1.0,
+        ess_lr_nonfinite="raise",
+    )
+    if fw == "miles":
+        return Namespace(**common, skip_actor_forward_only=False, qkv_format="thd")
+    # qkv_format: read by slime v0.2.2 to v0.3.0 (bshd support), ignored by the others
+    return Namespace(**common, custom_advantage_function_path=None, qkv_format="thd")

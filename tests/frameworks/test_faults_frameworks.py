@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import sys
 import time
-from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -30,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared helpers
 from harness import run_ranks
-from rollouts import CP, DP, local_batch
+from rollouts import CP, DP, host_args, local_batch
 from upstream import miles_parallel_state, skip_reason
 
 import ess_patch
@@ -42,30 +41,9 @@ FAULTS = ("nonfinite", "count", "config")
 FAULTY = (1, 1)  # (DP rank, CP rank) of the faulty rank
 
 
-def _host_args(fw: str, floor: float) -> Namespace:
-    common = dict(
-        advantage_estimator="grpo",
-        kl_coef=0.0,
-        kl_loss_type="low_var_kl",
-        normalize_advantages=True,  # miles/slime whiten over DP: their collective runs too
-        use_rollout_logprobs=False,
-        use_opd=False,
-        loss_type="policy_loss",
-        use_ess_lr=True,
-        ess_lr_floor=floor,
-        ess_lr_weight_mode="product",
-        ess_lr_rule="sqrt",
-        ess_lr_base_ratio=1.0,
-        ess_lr_nonfinite="raise",
-    )
-    if fw == "miles":
-        return Namespace(**common, skip_actor_forward_only=False, qkv_format="thd")
-    return Namespace(**common, custom_advantage_function_path=None)
-
-
 def _faulty_input(fw: str, fault: str | None, faulty: bool, batch: dict) -> tuple:
     data = {k: list(v) for k, v in batch.items()}
-    args = _host_args(fw, 0.1)
+    args = host_args(fw)
     if not faulty or fault is None:
         return args, data
     if fault == "nonfinite":

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the 
 from dist_helpers import CollectiveCounter
 from harness import run_ranks
 from reference import reference_ess, reference_steps
-from rollouts import CP, DP, SHAPES, local_batch, rollout
+from rollouts import CP, DP, SHAPES, host_args, local_batch, rollout
 from upstream import (
     ENV_VARS,
     MINIMAL_ARGV,
@@ -213,28 +213,6 @@ def test_user_custom_arguments_still_apply(fw, clean_ess):
 # --- the advantage hook, in the gloo harness ------------------------------------------------------
 
 
-def _host_args(fw: str, use_ess_lr: bool) -> Namespace:
-    common = dict(
-        advantage_estimator="grpo",
-        kl_coef=0.0,
-        kl_loss_type="low_var_kl",
-        normalize_advantages=True,
-        use_rollout_logprobs=False,
-        use_opd=False,
-        loss_type="policy_loss",
-        use_ess_lr=use_ess_lr,
-        ess_lr_floor=0.1,
-        ess_lr_weight_mode="product",
-        ess_lr_rule="sqrt",
-        ess_lr_base_ratio=1.0,
-        ess_lr_nonfinite="raise",
-    )
-    if fw == "miles":
-        return Namespace(**common, skip_actor_forward_only=False, qkv_format="thd")
-    # qkv_format: read by slime v0.2.2 to v0.3.0 (bshd support), ignored by the others
-    return Namespace(**common, custom_advantage_function_path=None, qkv_format="thd")
-
-
 def _advantages(compute, args, batch):
     data = {k: list(v) for k, v in batch.items()}
     with CollectiveCounter() as counter:
@@ -282,21 +260,21 @@ def rank_advantage_hook(fw: str, snapshot: str | None = None) -> dict:
         return _bind_state(loss.compute_advantages_and_returns, state)
 
     with _upstream(loss, "compute_advantages_and_returns"):
-        plain, plain_calls = _advantages(compute(), _host_args(fw, True), batch)
+        plain, plain_calls = _advantages(compute(), host_args(fw, True), batch)
     _install(fw)
     from ess_patch.install import installed_shapes
 
     shapes = installed_shapes().get(fw)
-    off, off_calls = _advantages(compute(), _host_args(fw, False), batch)
+    off, off_calls = _advantages(compute(), host_args(fw, False), batch)
     armed_when_off = ess_patch.armed()
-    shadow_args = _host_args(fw, False)
+    shadow_args = host_args(fw, False)
     shadow_args.ess_lr_shadow = True
     shadow_out, shadow_calls = _advantages(compute(), shadow_args, batch)
     armed_when_shadow = ess_patch.armed()
     shadow = ess_patch.state.STATE.shadow
-    on, on_calls = _advantages(compute(), _host_args(fw, True), batch)
+    on, on_calls = _advantages(compute(), host_args(fw, True), batch)
     result = ess_patch.armed()
-    critic_args = _host_args(fw, True)
+    critic_args = host_args(fw, True)
     critic_args.loss_type = "value_loss"
     _advantages(compute(), critic_args, batch)
     if not VENDORED:
@@ -369,7 +347,7 @@ def rank_pipeline_hook(fw: str, snapshot: str) -> dict:
     from ess_patch.install import installed_shapes
 
     compute = _bind_state(loss.compute_advantages_and_returns, state)
-    compute(_host_args(fw, True), batch)  # returns early (no advantages) on a non-last stage
+    compute(host_args(fw, True), batch)  # returns early (no advantages) on a non-last stage
     result = ess_patch.armed()
     return {
         "last": mpu.is_pipeline_last_stage(),
@@ -416,7 +394,7 @@ def rank_advantage_hook_steps(fw: str) -> dict:
     batch["num_microbatches"] = [1, 1]
     batch["micro_batch_indices"] = [[0, 1], [2, 3]]
     _install(fw)
-    args = _host_args(fw, True)
+    args = host_args(fw, True)
     args.ess_lr_granularity = "step"
     _, calls = _advantages(loss.compute_advantages_and_returns, args, batch)
     steps = ess_patch.armed_steps()
