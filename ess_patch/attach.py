@@ -13,7 +13,7 @@ import wrapt
 
 from .lr import scaled_lr, step_wrapper
 from .patching import is_ours
-from .state import STATE, begin_step, note_attached
+from .state import STATE, begin_step, note_applier
 
 __all__ = ["attach", "detach"]
 
@@ -45,7 +45,7 @@ def attach(optimizer: Any) -> Any:
             optimizer.register_step_post_hook(_post_step),
         )
         setattr(optimizer, _HOOKS, handles)
-        note_attached(optimizer)
+        note_applier()
         return optimizer
 
     def bound_wrapper(wrapped: Any, _instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -54,7 +54,7 @@ def attach(optimizer: Any) -> Any:
     wrapper = wrapt.FunctionWrapper(optimizer.step, bound_wrapper)
     wrapper._self_ess_patch_target = f"{type(optimizer).__name__} instance"
     optimizer.step = wrapper
-    note_attached(optimizer)
+    note_applier()
     return optimizer
 
 

@@ -27,7 +27,7 @@ __all__ = [
     "begin_step",
     "disarm",
     "exclude",
-    "note_attached",
+    "note_applier",
     "reset",
     "set_role",
 ]
@@ -52,10 +52,9 @@ class _EssState:
     excluded: weakref.WeakSet = field(default_factory=weakref.WeakSet)
     # the settings install() was given, for hosts whose args lack the --ess-lr-* flags
     config: EssLrConfig | None = None
-    # what else applies an armed scale: attach()ed optimizers, vendored (patches/) steps
-    attached: weakref.WeakSet = field(default_factory=weakref.WeakSet)
-    attached_unreferenceable: bool = False
-    vendored_steps: bool = False
+    # something besides install() applies an armed scale: an attach()ed optimizer, or an
+    # optimizer step decorated by a vendored (patches/) tree
+    applied_elsewhere: bool = False
     # arm() with nothing to apply it: warned once (reset() re-arms the warning)
     warned_no_effect: bool = False
     # per host framework, the shape chosen for each aspect (integrations.shapes); cleared by
@@ -102,12 +101,10 @@ def arm(result_or_scale: EssLrResult | float) -> EssLrResult:
     return result
 
 
-def note_attached(optimizer: Any) -> None:
-    """Record that ``optimizer`` applies armed scales (``attach``), for :func:`arm`'s warning."""
-    try:
-        STATE.attached.add(optimizer)
-    except TypeError:  # not weak-referenceable: remember that something is attached
-        STATE.attached_unreferenceable = True
+def note_applier() -> None:
+    """Record that something besides ``install()`` applies armed scales (``attach``, a
+    vendored optimizer step), for :func:`arm`'s warning."""
+    STATE.applied_elsewhere = True
 
 
 def _warn_if_nothing_applies() -> None:
@@ -116,9 +113,7 @@ def _warn_if_nothing_applies() -> None:
     if STATE.warned_no_effect:
         return
     # install() sets config and uninstall() clears it: config is set while install() is in effect
-    if STATE.config is not None or STATE.vendored_steps or STATE.attached_unreferenceable:
-        return
-    if len(STATE.attached) > 0:
+    if STATE.config is not None or STATE.applied_elsewhere:
         return
     STATE.warned_no_effect = True
     logger.warning(

@@ -23,7 +23,7 @@ from .integrations.rl_hooks import advantage_wrapper, parse_args_wrapper
 from .integrations.slime import SLIME, SLIME_FRAMEWORK
 from .lr import step_wrapper
 from .patching import VENDORED_MARK, is_vendored
-from .state import STATE
+from .state import note_applier
 
 __all__ = [
     "CALL_SITES",
@@ -82,7 +82,7 @@ _optimizer_step_hook = _method_hook(step_wrapper)
 
 def optimizer_step(method: F) -> F:
     """Decorate an optimizer's ``step`` / ``step_with_ready_grads`` (the megatron-core diff)."""
-    STATE.vendored_steps = True  # arm() then has an effect without install()
+    note_applier()  # arm() then has an effect without install()
     return _optimizer_step_hook(method)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import weakref
 
 import pytest
 import torch
@@ -25,9 +24,7 @@ def _warnings(caplog) -> list[str]:
 @pytest.fixture
 def nothing_applies(clean_ess, monkeypatch):
     # optimizers attached, or vendored steps decorated, by earlier tests in this process
-    monkeypatch.setattr(STATE, "attached", weakref.WeakSet())
-    monkeypatch.setattr(STATE, "attached_unreferenceable", False)
-    monkeypatch.setattr(STATE, "vendored_steps", False)
+    monkeypatch.setattr(STATE, "applied_elsewhere", False)
     yield
 
 
