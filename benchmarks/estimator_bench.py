@@ -77,9 +77,10 @@ def one_group(log_probs, rollout_log_probs, loss_masks) -> float:
     ``torch.segment_reduce``; returns rho."""
     config = EssLrConfig()
     stats = estimator.trajectory_stats(
-        log_probs, rollout_log_probs, loss_masks, chunk_tokens=None, segment_sums="torch"
+        log_probs, rollout_log_probs, loss_masks, chunk_tokens=None, backend="torch"
     )
-    return estimator.finalize(estimator.combine(estimator.summarize(stats, config)), config).rho
+    summary = estimator.summarize(stats, config, backend="torch")
+    return estimator.finalize(estimator.combine(summary), config).rho
 
 
 def read_once(log_probs, rollout_log_probs, loss_masks) -> list:

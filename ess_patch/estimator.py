@@ -25,7 +25,7 @@ import functools
 import itertools
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -134,12 +134,11 @@ def validate_inputs(
 
 
 class _Layout(NamedTuple):
-    """What the metadata checks learned: token counts and the dtypes present."""
+    """What the metadata checks learned: token counts and the log-prob dtypes present."""
 
     lengths: list[int]
     lp_types: set[torch.dtype]
     rlp_types: set[torch.dtype]
-    mask_types: set[torch.dtype]
 
 
 def _checked_layout(
@@ -163,7 +162,7 @@ def _checked_layout(
         validate_inputs(*seqs)
     try:
         lengths = list(map(_numel, log_probs))  # TypeError on a non-tensor
-        types = [set(map(_dtype, s)) for s in seqs]
+        types = [set(map(_dtype, s)) for s in seqs[:2]]  # the masks': see _group_masks
         # torch.cat raises on tensors of different dims, but skips 1-D empty ones: so all are
         # 1-D if the first non-empty one of each list is (all of them if all are empty)
         first = next((i for i, n in enumerate(lengths) if n), None)
@@ -176,7 +175,6 @@ def _checked_layout(
                 or log_probs[0].device == rollout_log_probs[0].device == loss_masks[0].device
             )
             and all(d.is_floating_point for d in types[0] | types[1])
-            and not any(d.is_complex for d in types[2])
         )
     except (TypeError, AttributeError):  # not a tensor
         ok = False
@@ -188,6 +186,7 @@ def _checked_layout(
 
 _numel = torch.Tensor.numel
 _dtype = operator.attrgetter("dtype")
+_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
 
 
 def _promoted(dtypes: set[torch.dtype], default: torch.dtype) -> torch.dtype:
@@ -211,7 +210,7 @@ def trajectory_stats(
     loss_masks: Sequence[torch.Tensor],
     *,
     chunk_tokens: int | str | None = "auto",
-    segment_sums: str = "auto",
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Per-trajectory ``[sum of masked d_t, masked tokens, non-finite flag]``.
 
@@ -230,9 +229,10 @@ def trajectory_stats(
             that they stay in cache and are page-faulted once. ``"auto"``:
             :data:`CPU_CHUNK_TOKENS` on CPU, ``None`` (one group: a fixed number of tensor
             operations whatever B, one kernel launch each on a GPU) on other devices.
-        segment_sums: ``"numpy"`` (``numpy.add.reduceat`` on the CPU buffers: pairwise
-            summation, ~6x faster than ``torch.segment_reduce`` on CPU), ``"torch"``
-            (``torch.segment_reduce``, sequential within a trajectory) or ``"auto"``
+        backend: ``"numpy"`` (CPU tensors: the passes over each group's tokens run as
+            numpy calls on the buffers, the segment sums as ``numpy.add.reduceat``: pairwise
+            summation, ~6x faster than ``torch.segment_reduce`` on CPU), ``"torch"`` (torch
+            ops only, ``torch.segment_reduce``: what other devices run) or ``"auto"``
             (numpy on CPU when it is installed, else torch).
     """
     if (
@@ -243,22 +243,14 @@ def trajectory_stats(
         raise ValueError(
             f"chunk_tokens must be a positive int, None or 'auto'; got {chunk_tokens!r}"
         )
-    if segment_sums not in ("auto", "numpy", "torch"):
-        raise ValueError(f"segment_sums must be 'auto', 'numpy' or 'torch'; got {segment_sums!r}")
+    _check_backend(backend)
     layout = _checked_layout(log_probs, rollout_log_probs, loss_masks)
     if not layout.lengths:
         return torch.zeros((0, 3), dtype=_ACC)
     device = log_probs[0].device
     if chunk_tokens == "auto":
         chunk_tokens = CPU_CHUNK_TOKENS if device.type == "cpu" else None
-    if segment_sums == "numpy" and (_np is None or device.type != "cpu"):
-        raise ValueError(
-            f"segment_sums='numpy' needs numpy installed and CPU tensors (these are on {device}); "
-            "use 'auto' or 'torch'"
-        )
-    use_numpy = segment_sums == "numpy" or (
-        segment_sums == "auto" and device.type == "cpu" and _np is not None
-    )
+    use_numpy = _uses_numpy(backend, device)
     try:
         with torch.no_grad():  # out= concatenations refuse inputs that require grad
             return _stats(log_probs, rollout_log_probs, loss_masks, layout, chunk_tokens, use_numpy)
@@ -267,6 +259,50 @@ def trajectory_stats(
         # the error was not about the inputs' layout and is raised as it is
         validate_inputs(log_probs, rollout_log_probs, loss_masks)
         raise
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in ("auto", "numpy", "torch"):
+        raise ValueError(f"backend must be 'auto', 'numpy' or 'torch'; got {backend!r}")
+
+
+def _uses_numpy(backend: str, device: torch.device) -> bool:
+    if backend == "numpy" and (_np is None or device.type != "cpu"):
+        raise ValueError(
+            f"backend='numpy' needs numpy installed and CPU tensors (these are on {device}); "
+            "use 'auto' or 'torch'"
+        )
+    return backend == "numpy" or (backend == "auto" and device.type == "cpu" and _np is not None)
+
+
+def _groups(offsets: list[int], chunk_tokens: int | None) -> list[tuple[int, int]]:
+    """Trajectory index ranges ``[start, stop)`` of about ``chunk_tokens`` tokens each (a
+    longer trajectory alone); one range when ``chunk_tokens`` is None."""
+    num = len(offsets) - 1
+    if chunk_tokens is None or offsets[-1] <= chunk_tokens:
+        return [(0, num)]
+    groups, start = [], 0
+    while start < num:
+        stop = max(start + 1, bisect.bisect_right(offsets, offsets[start] + chunk_tokens) - 1)
+        groups.append((start, stop))
+        start = stop
+    return groups
+
+
+def _group_masks(loss_masks: Sequence[torch.Tensor], start: int, stop: int) -> torch.Tensor:
+    """This group's masks concatenated, in their promoted dtype (no per-sample dtype pass:
+    a complex mask makes the result complex, and a NaN shows in a float result)."""
+    masks = torch.cat(loss_masks[start:stop])
+    if masks.is_complex():
+        raise TypeError("a complex loss mask")  # validate_inputs then names the sample
+    if masks.is_floating_point() and bool(torch.isnan(masks).any()):
+        # NaN != 0 would count as masked-in: say which sample instead of guessing
+        bad = next(i for i, m in enumerate(loss_masks) if bool(torch.isnan(m).any()))
+        raise ValueError(
+            f"loss_masks[{bad}] holds NaN; a mask entry must be 0 (ignored) or non-zero "
+            "(counted). Fix the mask (e.g. torch.nan_to_num) before ESS-LR"
+        )
+    return masks
 
 
 def _stats(
@@ -280,83 +316,112 @@ def _stats(
     lengths = layout.lengths
     device = log_probs[0].device
     offsets = list(itertools.accumulate(lengths, initial=0))
-    num = len(lengths)
-    # trajectory index ranges [start, stop) of the groups
-    if chunk_tokens is None or offsets[-1] <= chunk_tokens:
-        groups = [(0, num)]
-    else:
-        groups, start = [], 0
-        while start < num:
-            stop = max(start + 1, bisect.bisect_right(offsets, offsets[start] + chunk_tokens) - 1)
-            groups.append((start, stop))
-            start = stop
+    groups = _groups(offsets, chunk_tokens)
     cap = max(offsets[stop] - offsets[start] for start, stop in groups)
-    seg = torch.frombuffer(array.array("q", lengths), dtype=torch.int64)  # 5x torch.tensor's speed
-    if device.type != "cpu":
-        # pinned + non_blocking: the upload does not wait for the device (no host sync)
-        seg = seg.pin_memory().to(device, non_blocking=True)
-
     lp_type = _promoted(layout.lp_types, _ACC)
-    mask_type = _promoted(layout.mask_types, torch.bool)
-    dtypes = [_ACC, lp_type, _promoted(layout.rlp_types, _ACC), mask_type, torch.bool, torch.int64]
+    rlp_type = _promoted(layout.rlp_types, _ACC)
     # one allocation for all buffers: separate ones of this size are returned to the OS at
     # every free (glibc trims the heap top) and page-faulted again at the next call
-    diff_buf, lp_buf, rlp_buf, mask_buf, keep_buf, bits_buf, *count_buf = _workspace(
-        cap, dtypes if use_numpy else [*dtypes, _ACC], device
+    diff_buf, lp_buf, rlp_buf, keep_buf, bits_buf = _workspace(
+        cap, [_ACC, lp_type, rlp_type, torch.bool, torch.int64], device
     )
     if lp_type == _ACC:
         lp_buf = diff_buf  # float64 inputs are concatenated straight into the difference
-
+    inputs = (log_probs, rollout_log_probs, loss_masks)
+    buffers = (diff_buf, lp_buf, rlp_buf, keep_buf, bits_buf)
     if use_numpy:
-        lens_np = seg.numpy()
-        starts_np = lens_np.cumsum() - lens_np
+        return torch.from_numpy(_groups_numpy(inputs, lengths, offsets, groups, buffers))
+    total, count = _groups_torch(inputs, lengths, offsets, groups, buffers)
+    finite = torch.isfinite(total)
+    return torch.stack([torch.where(finite, total, 0.0), count, (~finite).to(_ACC)], 1)
 
-        def segment_sums(values: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-            # reduceat sums [s_i, s_i+1); an empty segment would get values[s_i] instead
-            # of 0, so only the non-empty trajectories' starts are passed
-            lens, starts = lens_np[start:stop], starts_np[start:stop] - starts_np[start]
-            if lens.all():
-                return torch.from_numpy(_np.add.reduceat(values.numpy(), starts))
-            out = _np.zeros(stop - start, dtype=values.numpy().dtype)
-            nonempty = _np.flatnonzero(lens)
+
+def _widened_difference(
+    diff: torch.Tensor, lp: torch.Tensor, rlp: torch.Tensor, use_numpy: bool
+) -> None:
+    """``diff = lp - rlp`` in float64 (exact for fp32/bf16/fp16 inputs)."""
+    if use_numpy and lp.dtype in _NUMPY_FLOATS and rlp.dtype in _NUMPY_FLOATS:
+        # one pass with the conversions in numpy's inner loop (torch: a widening copy, then a
+        # mixed-dtype subtraction: ~25% slower); numpy has no bfloat16
+        _np.subtract(lp.numpy(), rlp.numpy(), out=diff.numpy(), dtype=_np.float64)
+        return
+    if lp.data_ptr() != diff.data_ptr():
+        diff.copy_(lp)
+    diff.sub_(rlp)
+
+
+def _groups_numpy(inputs, lengths, offsets, groups, buffers):
+    """The CPU path: per group, three concatenations (torch) then numpy passes over the
+    workspace (~1 us per call against ~4 us for a torch op on CPU, which matters at
+    ~10 calls per group). Returns the ``[B, 3]`` table as a numpy array."""
+    log_probs, rollout_log_probs, loss_masks = inputs
+    diff_buf, lp_buf, rlp_buf, keep_buf, bits_buf = buffers
+    diff_np, bits_np = diff_buf.numpy(), bits_buf.numpy()
+    lens = _np.frombuffer(array.array("q", lengths), dtype=_np.int64)  # 5x asarray's speed
+    starts = _np.cumsum(lens) - lens
+    any_empty = not lens.all()
+    table = _np.zeros((len(lengths), 3))
+    sums = table[:, 0]
+    counts = _np.zeros(len(lengths), dtype=_np.int64)
+    for start, stop in groups:
+        n = offsets[stop] - offsets[start]
+        lp = torch.cat(log_probs[start:stop], out=lp_buf[:n])
+        rlp = torch.cat(rollout_log_probs[start:stop], out=rlp_buf[:n])
+        masks = _group_masks(loss_masks, start, stop)
+        _widened_difference(diff_buf[:n], lp, rlp, use_numpy=True)
+        keep = masks if masks.dtype == torch.bool else keep_buf[:n].copy_(masks)  # non-zero: 1
+        d, bits = diff_np[:n], bits_np[:n]
+        # -1 (all bits set) where masked in, 0 where out: int8 negation, sign-extended
+        _np.negative(keep.numpy().view(_np.int8), out=bits)
+        # masked-out d_t -> +0.0, NaN included (~4x faster than a masked fill or a where)
+        _np.bitwise_and(d.view(_np.int64), bits, out=d.view(_np.int64))
+        # reduceat sums [s_i, s_i+1); an empty segment would get values[s_i] instead of 0,
+        # so only the non-empty trajectories' starts are passed
+        seg = starts[start:stop] - offsets[start]
+        if not any_empty:
+            _np.add.reduceat(d, seg, out=sums[start:stop])
+            _np.add.reduceat(bits, seg, out=counts[start:stop])  # minus the counts
+        else:
+            nonempty = _np.flatnonzero(lens[start:stop])
             if len(nonempty):
-                out[nonempty] = _np.add.reduceat(values.numpy(), starts[nonempty])
-            return torch.from_numpy(out)
-    else:
+                sums[start + nonempty] = _np.add.reduceat(d, seg[nonempty])
+                counts[start + nonempty] = _np.add.reduceat(bits, seg[nonempty])
+    # numpy's float64 reductions sum pairwise: more accurate than a sequential sum
+    _np.subtract(0.0, counts, out=table[:, 1])  # 0 - 0 = +0.0
+    finite = _np.isfinite(sums)
+    _np.copyto(sums, 0.0, where=~finite)
+    _np.subtract(1.0, finite, out=table[:, 2])
+    return table
 
-        def segment_sums(values: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-            if not values.is_floating_point():  # segment_reduce has no integer kernel
-                values = count_buf[0][: values.shape[0]].copy_(values)
-            return torch.segment_reduce(values, "sum", lengths=seg[start:stop], unsafe=True)
 
+def _groups_torch(inputs, lengths, offsets, groups, buffers) -> tuple[torch.Tensor, torch.Tensor]:
+    """Any device: torch ops only. With one group (the default off CPU) the number of
+    operations does not depend on B: one kernel launch each on a GPU."""
+    log_probs, rollout_log_probs, loss_masks = inputs
+    diff_buf, lp_buf, rlp_buf, keep_buf, bits_buf = buffers
+    device = diff_buf.device
+    seg = torch.frombuffer(array.array("q", lengths), dtype=torch.int64)  # 5x torch.tensor's
+    if device.type != "cpu":
+        # pinned + non_blocking: the upload does not wait for the device (no host sync)
+        seg = seg.pin_memory().to(device, non_blocking=True)
     sums, counts = [], []
     for start, stop in groups:
         n = offsets[stop] - offsets[start]
-        diff = diff_buf[:n]
         lp = torch.cat(log_probs[start:stop], out=lp_buf[:n])
-        if lp_type != _ACC:
-            diff.copy_(lp)  # widen (in cache: as cheap as any other pass)
-        diff.sub_(torch.cat(rollout_log_probs[start:stop], out=rlp_buf[:n]))  # exact in float64
-        masks = torch.cat(loss_masks[start:stop], out=mask_buf[:n])
-        if masks.is_floating_point() and bool(torch.isnan(masks).any()):
-            # NaN != 0 would count as masked-in: say which sample instead of guessing
-            bad = next(i for i, m in enumerate(loss_masks) if bool(torch.isnan(m).any()))
-            raise ValueError(
-                f"loss_masks[{bad}] holds NaN; a mask entry must be 0 (ignored) or non-zero "
-                "(counted). Fix the mask (e.g. torch.nan_to_num) before ESS-LR"
-            )
-        keep = masks if mask_type == torch.bool else keep_buf[:n].copy_(masks)  # non-zero: 1
-        # -1 (all bits set) where masked in, 0 where out: int8 negation, sign-extended
+        rlp = torch.cat(rollout_log_probs[start:stop], out=rlp_buf[:n])
+        masks = _group_masks(loss_masks, start, stop)
+        diff = diff_buf[:n]
+        _widened_difference(diff, lp, rlp, use_numpy=False)
+        keep = masks if masks.dtype == torch.bool else keep_buf[:n].copy_(masks)
         bits = bits_buf[:n].copy_(keep.view(torch.int8).neg_())
-        counts.append(segment_sums(bits, start, stop))  # minus the masked-in counts
-        # masked-out d_t -> +0.0, NaN included: an AND with those bit patterns (~4x faster
-        # on CPU than masked_fill_ or torch.where with a bool mask)
         diff.view(torch.int64).bitwise_and_(bits)
-        sums.append(segment_sums(diff, start, stop))
+        lens = seg[start:stop]
+        # segment_reduce has no integer kernel: the counts go through float64 (exact)
+        sums.append(torch.segment_reduce(diff, "sum", lengths=lens, unsafe=True))
+        counts.append(torch.segment_reduce(bits.to(_ACC), "sum", lengths=lens, unsafe=True))
     total = sums[0] if len(sums) == 1 else torch.cat(sums)
-    count = 0 - (counts[0] if len(counts) == 1 else torch.cat(counts)).to(_ACC)  # 0 - 0 = +0.0
-    finite = torch.isfinite(total)
-    return torch.stack([torch.where(finite, total, 0.0), count, (~finite).to(_ACC)], 1)
+    count = counts[0] if len(counts) == 1 else torch.cat(counts)
+    return total, 0.0 - count  # 0 - 0 = +0.0
 
 
 def summarize(
@@ -365,69 +430,148 @@ def summarize(
     *,
     rank: int = 0,
     flags: Flags | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Reduce this rank's (CP-complete) trajectory table to a summary vector.
 
     ``flags`` mark missing or invalid inputs; they travel with the summary so that every
-    rank reaches the same outcome.
+    rank reaches the same outcome. ``backend``: as in :func:`trajectory_stats`.
     """
+    _check_backend(backend)
     flags = Flags() if flags is None else flags
-    out = torch.zeros(SUMMARY_SIZE, dtype=_ACC, device=stats.device)
-    out[_MAX] = -math.inf
-    out[_BAD_INDEX] = -1.0
-    out[_RANK] = float(rank)
-    out[_MISSING] = flags.missing
-    out[_INVALID] = flags.invalid
+    values = (rank, flags.missing, flags.invalid)
+    if _uses_numpy(backend, stats.device):
+        # numpy's calls cost ~1 us where torch's cost ~4 us on CPU: ~50 of them here
+        return torch.from_numpy(_summary(stats.numpy(), config, values, _NUMPY_OPS))
+    return _summary(stats, config, values, _torch_ops(stats.device))
+
+
+class _Ops(NamedTuple):
+    """The array functions :func:`_summary` needs, from numpy (CPU) or torch (any device).
+
+    numpy's entries are its C-level ufuncs and constructors (``np.stack``, ``np.clip`` and
+    the array methods go through Python wrappers: ~3-5 us per call against ~1 us)."""
+
+    where: Callable
+    exp: Callable
+    isfinite: Callable
+    clamp_min: Callable
+    clamp_max: Callable
+    total: Callable  # sum of a 1-D array, as a 0-dim array
+    largest: Callable
+    smallest: Callable
+    row_tallies: Callable  # [k, n] bool -> [k] float64 counts
+    stack: Callable  # list of same-shape arrays or 0-dim arrays -> a new leading axis
+    concat: Callable
+    arange: Callable  # n -> float64 [0, n)
+    scalar: Callable  # float, bool or 0-dim tensor -> 0-dim float64
+
+
+def _torch_ops(device: torch.device) -> _Ops:
+    def scalar(value: float | bool | torch.Tensor) -> torch.Tensor:
+        if isinstance(value, torch.Tensor):
+            return value.to(device=device, dtype=_ACC).reshape(())
+        return torch.full((), float(value), dtype=_ACC, device=device)  # a fill, not an upload
+
+    return _Ops(
+        where=torch.where,
+        exp=torch.exp,
+        isfinite=torch.isfinite,
+        clamp_min=torch.clamp_min,
+        clamp_max=torch.clamp_max,
+        total=torch.sum,
+        largest=torch.max,
+        smallest=torch.min,
+        row_tallies=lambda x: x.sum(1, dtype=_ACC),
+        stack=torch.stack,
+        concat=torch.cat,
+        arange=lambda n: torch.arange(n, dtype=_ACC, device=device),
+        scalar=scalar,
+    )
+
+
+_NUMPY_OPS = (
+    None
+    if _np is None
+    else _Ops(
+        where=_np.where,
+        exp=_np.exp,
+        isfinite=_np.isfinite,
+        clamp_min=_np.maximum,
+        clamp_max=_np.minimum,
+        total=_np.add.reduce,
+        largest=_np.maximum.reduce,
+        smallest=_np.minimum.reduce,
+        row_tallies=lambda x: _np.add.reduce(x, axis=1, dtype=_np.float64),
+        stack=_np.array,
+        concat=_np.concatenate,
+        arange=lambda n: _np.arange(n, dtype=_np.float64),
+        scalar=lambda value: _np.array(float(value), dtype=_np.float64),
+    )
+)
+
+
+def _summary(stats, config: EssLrConfig, values: tuple, xp: _Ops):
+    """:func:`summarize` on a numpy array or a tensor (the same code for both)."""
     total, count, bad = stats[:, 0], stats[:, 1], stats[:, 2]
     is_bad = bad > 0
-    m = total / count.clamp_min(1.0) if config.weight_mode == "geometric" else total
-    is_bad = is_bad | ~torch.isfinite(m)
+    m = total / xp.clamp_min(count, 1.0) if config.weight_mode == "geometric" else total
+    is_bad = is_bad | ~xp.isfinite(m)
     if config.weight_clip is not None:
         # w_i = min(w_i, clip), in log space (before any shift: the clip is on the true weight)
-        m = m.clamp_max(math.log(config.weight_clip))
+        m = xp.clamp_max(m, math.log(config.weight_clip))
     valid = (count > 0) & ~is_bad
-    m = torch.where(valid, m, -math.inf)
-    shift = m.max() if m.numel() else out[_MAX]
-    # All -inf (nothing valid) would make (m - shift) NaN; shift by 0 instead.
-    safe_shift = torch.where(torch.isfinite(shift), shift, 0.0)
-    w = torch.exp(m - safe_shift)
-    first_bad = (
-        torch.where(is_bad, torch.arange(m.numel(), device=m.device, dtype=_ACC), math.inf).min()
-        if m.numel()
-        else out[_BAD_INDEX]
+    m = xp.where(valid, m, -math.inf)
+    if len(m):
+        shift = xp.largest(m)
+        # all -inf (nothing valid) would make (m - shift) NaN: shift by 0 instead
+        w = xp.exp(m - xp.where(xp.isfinite(shift), shift, 0.0))
+        first_bad = xp.smallest(xp.where(is_bad, xp.arange(len(m)), math.inf))
+        first_bad = xp.where(xp.isfinite(first_bad), first_bad, -1.0)
+        sums = xp.stack([xp.total(w), xp.total(w * w)])
+    else:
+        shift, first_bad = xp.scalar(-math.inf), xp.scalar(-1.0)
+        sums = xp.stack([xp.scalar(0.0), xp.scalar(0.0)])
+    # one stack instead of a write per field: ~15 fewer operations (kernel launches)
+    tallies = xp.row_tallies(xp.stack([valid, (count == 0) & ~is_bad, is_bad]))
+    return xp.concat(
+        [
+            shift.reshape(1),
+            sums,
+            tallies,
+            first_bad.reshape(1),
+            xp.stack([xp.scalar(v) for v in values]),
+        ]
     )
-    out[_MAX] = shift
-    out[_S1] = w.sum()
-    out[_S2] = (w * w).sum()
-    out[_N_VALID] = valid.sum()
-    out[_N_EMPTY] = ((count == 0) & ~is_bad).sum()
-    out[_N_BAD] = is_bad.sum()
-    out[_BAD_INDEX] = torch.where(torch.isfinite(first_bad), first_bad, -1.0)
-    return out
 
 
 def combine(summaries: torch.Tensor) -> torch.Tensor:
     """Merge per-rank summaries (shape ``[R, SUMMARY_SIZE]``) under one global shift."""
     if summaries.dim() == 1:
         return summaries
+    if summaries.shape[0] == 1:
+        return summaries[0]  # what the merge below gives for one row, bit for bit
     maxes = summaries[:, _MAX]
     shift = maxes.max()
     safe_shift = torch.where(torch.isfinite(shift), shift, 0.0)
     # A rank with nothing valid has max -inf and S1 = S2 = 0: its factor is exp(-inf) = 0.
     factor = torch.exp(maxes - safe_shift)
-    out = torch.empty(SUMMARY_SIZE, dtype=_ACC, device=summaries.device)
-    out[_MAX] = shift
-    out[_S1] = (summaries[:, _S1] * factor).sum()
-    out[_S2] = (summaries[:, _S2] * factor * factor).sum()
-    for col in (_N_VALID, _N_EMPTY, _N_BAD, _MISSING, _INVALID):
-        out[col] = summaries[:, col].sum()
+    totals = summaries.sum(0)  # the tallies and the flags
     has_bad = summaries[:, _N_BAD] > 0
     first = torch.argmax(has_bad.to(torch.int8))  # first row with a bad trajectory
     # index_select with a tensor index: no .item() (a host sync on a GPU)
     row = summaries.index_select(0, first.reshape(1))[0]
-    out[_BAD_INDEX] = row[_BAD_INDEX]
-    out[_RANK] = row[_RANK]
-    return out
+    return torch.cat(
+        [
+            shift.reshape(1),
+            torch.stack(
+                [(summaries[:, _S1] * factor).sum(), (summaries[:, _S2] * factor * factor).sum()]
+            ),
+            totals[_N_VALID : _N_BAD + 1],
+            row[_BAD_INDEX : _RANK + 1],
+            totals[_MISSING : _INVALID + 1],
+        ]
+    )
 
 
 def finalize(summary: torch.Tensor, config: EssLrConfig) -> EssLrResult:

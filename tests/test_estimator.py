@@ -421,7 +421,7 @@ def _awkward_batch(lp_dtype, rlp_dtype):
 
 
 @pytest.mark.parametrize("chunk_tokens", [1, 64, 1000, None])
-@pytest.mark.parametrize("segment_sums", ["numpy", "torch"])
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
 @pytest.mark.parametrize(
     "dtypes",
     [
@@ -431,10 +431,10 @@ def _awkward_batch(lp_dtype, rlp_dtype):
         (torch.float32, torch.bfloat16),
     ],
 )
-def test_every_group_size_and_segment_sum_match_fsum(chunk_tokens, segment_sums, dtypes):
+def test_every_group_size_and_segment_sum_match_fsum(chunk_tokens, backend, dtypes):
     lp, rlp, masks = _awkward_batch(*dtypes)
     stats = estimator.trajectory_stats(
-        lp, rlp, masks, chunk_tokens=chunk_tokens, segment_sums=segment_sums
+        lp, rlp, masks, chunk_tokens=chunk_tokens, backend=backend
     )
     assert stats.dtype == torch.float64 and stats.shape == (len(lp), 3)
     for got, want in zip(stats.tolist(), _stats_reference(lp, rlp, masks), strict=True):
@@ -488,8 +488,9 @@ def test_one_group_path_dispatches_the_same_ops_whatever_b():
         gen = torch.Generator().manual_seed(n)
         batch = _random_batch(gen, n, max_len=200)
         with _OpCount() as ops:
-            stats = estimator.trajectory_stats(*batch, chunk_tokens=None, segment_sums="torch")
-            estimator.finalize(estimator.combine(estimator.summarize(stats, config)), config)
+            stats = estimator.trajectory_stats(*batch, chunk_tokens=None, backend="torch")
+            summary = estimator.summarize(stats, config, backend="torch")
+            estimator.finalize(estimator.combine(summary), config)
         counts.add(ops.count)
     assert len(counts) == 1, counts
 
@@ -505,9 +506,50 @@ def test_cpu_path_and_one_group_path_agree_at_scale():
     rlp = list(base.split(lengths))
     masks = list((torch.rand(n, generator=gen) > 0.1).split(lengths))
     cpu = estimator.trajectory_stats(lp, rlp, masks)
-    one = estimator.trajectory_stats(lp, rlp, masks, chunk_tokens=None, segment_sums="torch")
+    one = estimator.trajectory_stats(lp, rlp, masks, chunk_tokens=None, backend="torch")
     assert torch.equal(cpu[:, 1:], one[:, 1:])
     torch.testing.assert_close(cpu[:, 0], one[:, 0], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["geometric", "product"])
+@pytest.mark.parametrize("clip", [None, 1.5])
+def test_numpy_and_torch_summaries_agree(mode, clip):
+    # the CPU runs summarize in numpy, other devices in torch: same fields, same outcome
+    gen = torch.Generator().manual_seed(11)
+    config = EssLrConfig(weight_mode=mode, weight_clip=clip)
+    n = 257
+    total = torch.randn(n, generator=gen, dtype=torch.float64) * 40
+    count = torch.randint(0, 50, (n,), generator=gen).to(torch.float64)  # some empty
+    bad = (torch.rand(n, generator=gen) < 0.02).to(torch.float64)
+    total[bad > 0] = 0.0
+    tables = [
+        torch.stack([total, count, bad], 1),
+        torch.stack([total, count, torch.zeros(n, dtype=torch.float64)], 1),
+        torch.zeros((0, 3), dtype=torch.float64),
+        torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64),  # none valid
+    ]
+    flag_sets = [
+        {"rank": 3},
+        {"rank": 1, "flags": estimator.Flags(missing=True)},
+        {"rank": 2, "flags": estimator.Flags(missing=torch.tensor(1.0), invalid=torch.tensor(0))},
+    ]
+    for stats in tables:
+        for kwargs in flag_sets:
+            fast = estimator.summarize(stats, config, backend="numpy", **kwargs)
+            ref = estimator.summarize(stats, config, backend="torch", **kwargs)
+            assert fast.dtype == ref.dtype == torch.float64
+            assert fast.shape == ref.shape == (estimator.SUMMARY_SIZE,)
+            # exp may differ in the last bit between the two libraries; everything else is exact
+            torch.testing.assert_close(fast, ref, rtol=1e-15, atol=0.0)
+            assert torch.equal(fast[3:], ref[3:]) and torch.equal(fast[0], ref[0])
+
+
+def test_summarize_backend_is_checked():
+    stats = torch.zeros((1, 3), dtype=torch.float64)
+    with pytest.raises(ValueError, match="backend must be 'auto', 'numpy' or 'torch'"):
+        estimator.summarize(stats, EssLrConfig(), backend="jax")
+    with pytest.raises(ValueError, match="needs numpy installed and CPU tensors"):
+        estimator.summarize(stats.to("meta"), EssLrConfig(), backend="numpy")
 
 
 BAD_LAYOUTS = {
@@ -576,13 +618,13 @@ def test_a_later_sample_on_another_device_is_named():
     [
         ({"chunk_tokens": 0}, "chunk_tokens must be a positive int"),
         ({"chunk_tokens": "big"}, "chunk_tokens must be a positive int"),
-        ({"segment_sums": "scipy"}, "segment_sums must be 'auto', 'numpy' or 'torch'"),
-        ({"segment_sums": "numpy"}, "needs numpy installed and CPU tensors"),
+        ({"backend": "scipy"}, "backend must be 'auto', 'numpy' or 'torch'"),
+        ({"backend": "numpy"}, "needs numpy installed and CPU tensors"),
     ],
 )
 def test_bad_trajectory_stats_options_are_named(kwargs, pattern):
     batch = _batch([0.0, 0.1])
-    if kwargs.get("segment_sums") == "numpy":
+    if kwargs.get("backend") == "numpy":
         batch = tuple([t.to("meta") for t in seq] for seq in batch)
     with pytest.raises(ValueError, match=pattern):
         estimator.trajectory_stats(*batch, **kwargs)
