@@ -49,12 +49,13 @@ class WideNet(torch.nn.Module):
         return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
 
 
-def build(kind: str, hidden: int):
+def build(kind: str, hidden: int, device: str | torch.device = "cpu"):
     """Megatron DDP + ``get_megatron_optimizer`` (Adam, clip_grad 1.0), as
     ``megatron_cpu.build_megatron_optimizer`` builds them, for a ``WideNet(hidden)``.
 
     ``kind``: ``fp32`` (Chained[FP32Optimizer]) or ``dist_bf16`` (Chained[DistributedOptimizer],
-    bf16 params, fp32 main params).
+    bf16 params, fp32 main params). ``device``: where the model is built (``cuda`` on a GPU,
+    without the CPU shim; benchmarks/gpu.py).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, ParamKey, get_megatron_optimizer
@@ -82,7 +83,9 @@ def build(kind: str, hidden: int):
         grad_reduce_in_fp32=True, use_distributed_optimizer=bf16, overlap_grad_reduce=False
     )
     torch.manual_seed(0)
-    model = DistributedDataParallel(tconfig, ddp_config, WideNet(hidden).to(dtype))
+    model = DistributedDataParallel(
+        tconfig, ddp_config, WideNet(hidden).to(device=device, dtype=dtype)
+    )
     overrides = {ParamKey(name="*.bias"): {"max_lr": lr / 2, "min_lr": lr / 20, "wd_mult": 0.0}}
     opt = get_megatron_optimizer(
         config, [model], config_overrides=overrides, use_gloo_process_groups=False
@@ -103,14 +106,15 @@ def build(kind: str, hidden: int):
     return MegatronSetup([model], opt, sched, config)
 
 
-def _set(variant: str) -> None:
+def set_variant(variant: str) -> None:
+    """Put ess-patch in the state of ``variant`` (one of ``VARIANTS``; ``armed`` = ``enabled``)."""
     if variant in ("unpatched", "control"):
         if ess_patch.is_installed():
             ess_patch.uninstall()
         return
     if not ess_patch.is_installed():
         ess_patch.install("megatron")
-    if variant == "enabled":
+    if variant in ("enabled", "armed"):
         ess_patch.arm(0.5)
     else:
         ess_patch.disarm()
@@ -125,7 +129,7 @@ def measure(kind: str, hidden: int, repeats: int, steps: int) -> dict:
         setup.optimizer.step()
     ops = {}
     for variant in VARIANTS:
-        _set(variant)
+        set_variant(variant)
         with OpCounter() as counter:
             setup.optimizer.step()
         ops[variant] = counter.total
@@ -139,8 +143,8 @@ def measure(kind: str, hidden: int, repeats: int, steps: int) -> dict:
             for variant in VARIANTS[k:] + VARIANTS[:k]:
                 # every block starts from the same state change (uninstall, then install if
                 # patched), so no variant alone pays for following one
-                _set("unpatched")
-                _set(variant)
+                set_variant("unpatched")
+                set_variant(variant)
                 for _ in range(warm):  # untimed: the first calls after (un)installing
                     setup.optimizer.step()
                 start = time.perf_counter()
@@ -149,7 +153,7 @@ def measure(kind: str, hidden: int, repeats: int, steps: int) -> dict:
                 times[variant].append((time.perf_counter() - start) / steps)
     finally:
         gc.enable()
-        _set("unpatched")
+        set_variant("unpatched")
     cost = wrapper_cost_us(setup.optimizer)
     return {"params": params, "ops": ops, "times": times, "cost": cost}
 
@@ -180,11 +184,11 @@ def wrapper_cost_us(optimizer, number: int = 20000) -> dict[str, float]:
 
     out = {}
     for variant in ("disabled", "enabled"):
-        _set(variant)
+        set_variant(variant)
         outer = timeit.timeit(lambda: step_wrapper(noop, optimizer, (), {}), number=number)
         inner = timeit.timeit(nested, number=number) - timeit.timeit(bare, number=number)
         out[variant] = (outer + max(inner, 0.0)) / number * 1e6
-    _set("unpatched")
+    set_variant("unpatched")
     return out
 
 
