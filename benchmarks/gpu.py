@@ -231,15 +231,16 @@ def estimator_section(
                 ]
             )
             del batch
-    ops = {r[4] for r in rows}
+    same = all(len({r[4] for r in rows if r[1] == d}) == 1 for d in {r[1] for r in rows})
     notes = [
-        f"- aten ops the same at every size (a fixed number of launches whatever B): "
-        f"{verdict(len(ops) == 1)}"
+        f"- aten ops the same at every size, for each dtype (a fixed number of launches "
+        f"whatever B): {verdict(same)}"
     ]
     if device == "cpu":
         notes.append(
-            "- on CPU the estimator processes the tokens in chunks (the op count may grow "
-            "with size past a chunk) and sums with numpy; the GPU path runs one group"
+            "- on CPU the estimator takes its CPU path: tokens in chunks (the op count may grow "
+            "with size past a chunk), numpy passes where numpy has the dtype (not bf16); the "
+            "GPU path runs one group of torch ops"
         )
     return Section(
         ESTIMATOR_TITLE,
@@ -303,28 +304,20 @@ def one_rank_world(device: str) -> Iterator[None]:
 
 # --- 2. the collectives ----------------------------------------------------------------------
 
-# ess_patch.reduction returns early on a 1-rank group. These two run what its
-# all_reduce_trajectory_stats / all_gather_rows run past that check, line for line; each
-# row's "same result" column compares their output with ess_patch's.
-
 
 def all_reduce_as_issued(stats: torch.Tensor, group: object) -> torch.Tensor:
-    """``all_reduce_trajectory_stats`` as it runs on a group of more than one rank."""
-    from ess_patch.reduction import comm_device
+    """``all_reduce_trajectory_stats`` past its one-rank early return (what a group of more
+    than one rank runs)."""
+    from ess_patch.reduction import all_reduce_sum
 
-    table_ = stats.to(comm_device(group))
-    dist.all_reduce(table_, op=dist.ReduceOp.SUM, group=group)
-    return table_.to(stats.device)
+    return all_reduce_sum(stats, group)
 
 
 def all_gather_as_issued(row: torch.Tensor, group: object) -> torch.Tensor:
-    """``all_gather_rows`` (and so ``exchange_envelopes``) on a group of more than one rank."""
-    from ess_patch.reduction import comm_device
+    """``all_gather_rows`` (and so ``exchange_envelopes``) past its one-rank early return."""
+    from ess_patch.reduction import gather_rows
 
-    local = row.to(device=comm_device(group), dtype=torch.float64).contiguous()
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, local, group=group)
-    return torch.stack(gathered).to(row.device)
+    return gather_rows(row, group, dist.get_world_size(group))
 
 
 def collective_section(

@@ -22,6 +22,7 @@ __all__ = [
     "ENVELOPE_SIZE",
     "ConfigMismatchError",
     "all_gather_rows",
+    "all_reduce_sum",
     "all_reduce_trajectory_stats",
     "any_missing",
     "broadcast_from_last_stage",
@@ -31,6 +32,7 @@ __all__ = [
     "comm_device",
     "envelope",
     "exchange_envelopes",
+    "gather_rows",
     "group_size",
 ]
 
@@ -77,9 +79,14 @@ def all_reduce_trajectory_stats(stats: torch.Tensor, cp_group: object | None) ->
     """
     if group_size(cp_group, "CP") <= 1:
         return stats
-    table = stats.to(comm_device(cp_group))
-    dist.all_reduce(table, op=dist.ReduceOp.SUM, group=cp_group)
-    return table.to(stats.device)
+    return all_reduce_sum(stats, cp_group)
+
+
+def all_reduce_sum(table: torch.Tensor, group: object) -> torch.Tensor:
+    """The all-reduce itself, on a group of any size (a benchmark times it on one rank)."""
+    on_comm = table.to(comm_device(group))
+    dist.all_reduce(on_comm, op=dist.ReduceOp.SUM, group=group)
+    return on_comm.to(table.device)
 
 
 def all_gather_rows(row: torch.Tensor, group: object | None, name: str) -> torch.Tensor:
@@ -87,8 +94,12 @@ def all_gather_rows(row: torch.Tensor, group: object | None, name: str) -> torch
     size = group_size(group, name)
     if size <= 1:
         return row.reshape(1, -1)
-    device = comm_device(group)
-    local = row.to(device=device, dtype=torch.float64).contiguous()
+    return gather_rows(row, group, size)
+
+
+def gather_rows(row: torch.Tensor, group: object, size: int) -> torch.Tensor:
+    """The all-gather itself, on a group of any size (a benchmark times it on one rank)."""
+    local = row.to(device=comm_device(group), dtype=torch.float64).contiguous()
     gathered = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(gathered, local, group=group)
     return torch.stack(gathered).to(row.device)

@@ -433,9 +433,7 @@ def _awkward_batch(lp_dtype, rlp_dtype):
 )
 def test_every_group_size_and_segment_sum_match_fsum(chunk_tokens, backend, dtypes):
     lp, rlp, masks = _awkward_batch(*dtypes)
-    stats = estimator.trajectory_stats(
-        lp, rlp, masks, chunk_tokens=chunk_tokens, backend=backend
-    )
+    stats = estimator.trajectory_stats(lp, rlp, masks, chunk_tokens=chunk_tokens, backend=backend)
     assert stats.dtype == torch.float64 and stats.shape == (len(lp), 3)
     for got, want in zip(stats.tolist(), _stats_reference(lp, rlp, masks), strict=True):
         assert got[0] == pytest.approx(want[0], rel=1e-12, abs=1e-12)
