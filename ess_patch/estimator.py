@@ -13,8 +13,9 @@ collectives between them:
 Everything is accumulated in float64 and shifted by the largest ``m_i``, so product
 mode over thousands of tokens never overflows. Off CPU the number of tensor operations
 does not depend on the number of trajectories (one kernel launch each on a GPU); on CPU
-:func:`trajectory_stats` works through groups of :data:`CPU_CHUNK_TOKENS` tokens (a few
-operations more per group, for buffers that stay in cache).
+:func:`trajectory_stats` works through groups of :data:`CPU_CHUNK_TOKENS` tokens with
+numpy's passes over buffers that stay in cache, and :func:`summarize` runs the same code
+on numpy (~1 us per call where a torch op costs ~4 us on CPU).
 """
 
 from __future__ import annotations
@@ -476,7 +477,7 @@ def summarize(
     values = (rank, flags.missing, flags.invalid)
     if _uses_numpy(backend, stats.device):
         # numpy's calls cost ~1 us where torch's cost ~4 us on CPU: ~50 of them here
-        return torch.from_numpy(_summary(stats.numpy(), config, values, _NUMPY_OPS))
+        return torch.from_numpy(_summary(stats.detach().numpy(), config, values, _NUMPY_OPS))
     return _summary(stats, config, values, _torch_ops(stats.device))
 
 

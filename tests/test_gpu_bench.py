@@ -13,8 +13,13 @@ import torch
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture
+def bench_path(monkeypatch):
+    """``benchmarks/`` importable for one test. Not at module level: the repository root on
+    sys.path would shadow the installed wheel (and its metadata) for every later test."""
+    monkeypatch.syspath_prepend(str(ROOT))
 
 
 def parse_tables(text: str) -> dict[str, list[dict[str, str]]]:
@@ -66,7 +71,7 @@ def test_without_gpu_prints_one_line_and_exits_zero(tmp_path):
     assert not out.exists()
 
 
-def test_cpu_dry_run_runs_every_section(tmp_path, monkeypatch, clean_ess):
+def test_cpu_dry_run_runs_every_section(tmp_path, monkeypatch, clean_ess, bench_path):
     pytest.importorskip("megatron.core")
     from benchmarks import gpu
 
@@ -125,7 +130,9 @@ def test_cpu_dry_run_runs_every_section(tmp_path, monkeypatch, clean_ess):
     assert "ChainedOptimizer[DistributedOptimizer]" in text
 
 
-def test_a_failing_section_is_reported_and_the_world_torn_down(tmp_path, monkeypatch, clean_ess):
+def test_a_failing_section_is_reported_and_the_world_torn_down(
+    tmp_path, monkeypatch, clean_ess, bench_path
+):
     pytest.importorskip("megatron.core")
     from benchmarks import gpu
 
