@@ -400,6 +400,9 @@ def _stats_reference(lp, rlp, masks):
     return rows
 
 
+MASK_DTYPES = (torch.bool, torch.int32, torch.float32, torch.int64, torch.uint8, torch.bfloat16)
+
+
 def _awkward_batch(lp_dtype, rlp_dtype):
     """Lengths 0..3000 (zero-length and all-masked trajectories, one longer than any group),
     masked-out NaN/inf, masks of several dtypes with values other than 0/1."""
@@ -415,8 +418,9 @@ def _awkward_batch(lp_dtype, rlp_dtype):
             keep[:] = False  # all masked out
         lp[-1][~keep] = float("nan") if i % 2 else float("inf")
         rlp[-1][~keep] = float("-inf")
-        mask_dtype = (torch.bool, torch.int32, torch.float32, torch.int64)[i % 4]
-        masks.append(keep.to(mask_dtype) * (3 if mask_dtype == torch.int64 else 1))
+        # uint8 / bfloat16: the dtypes numpy lacks or the CPU path reads through torch
+        mask_dtype = MASK_DTYPES[i % len(MASK_DTYPES)]
+        masks.append(keep.to(mask_dtype) * (3 if mask_dtype in (torch.int64, torch.uint8) else 1))
     return lp, rlp, masks
 
 
@@ -429,6 +433,7 @@ def _awkward_batch(lp_dtype, rlp_dtype):
         (torch.bfloat16, torch.bfloat16),
         (torch.float64, torch.float64),
         (torch.float32, torch.bfloat16),
+        (torch.float16, torch.float32),
     ],
 )
 def test_every_group_size_and_segment_sum_match_fsum(chunk_tokens, backend, dtypes):
