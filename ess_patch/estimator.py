@@ -198,6 +198,8 @@ _NUMPY_DTYPES = (
         torch.float64: _np.float64,
         torch.bool: _np.bool_,
         torch.int8: _np.int8,
+        torch.uint8: _np.uint8,
+        torch.int16: _np.int16,
         torch.int32: _np.int32,
         torch.int64: _np.int64,
     }
@@ -212,7 +214,9 @@ def _workspace(
     size: int, dtypes: Sequence[torch.dtype], device: torch.device
 ) -> list[torch.Tensor]:
     """1-D buffers of ``size`` elements, one per dtype, carved from one allocation."""
-    size = -(-size // 64) * 64  # every buffer starts 64-byte aligned
+    # each buffer starts a multiple of 64 bytes into the allocation; never empty (an empty
+    # numpy slice has stride 0, which torch cannot view as a dtype of another size)
+    size = -(-max(size, 1) // 64) * 64
     nbytes = [size * d.itemsize for d in dtypes]
     starts = list(itertools.accumulate(nbytes, initial=0))
     if device.type == "cpu" and _np is not None:
@@ -321,6 +325,8 @@ def _group_masks(loss_masks: Sequence[torch.Tensor], start: int, stop: int) -> t
     masks = torch.cat(loss_masks[start:stop])
     if masks.is_complex():
         raise TypeError("a complex loss mask")  # validate_inputs then names the sample
+    if masks.dim() != 1:
+        raise TypeError("a mask that is not 1-D")  # (alone in its group: cat kept its shape)
     if masks.is_floating_point() and bool(torch.isnan(masks).any()):
         # NaN != 0 would count as masked-in: say which sample instead of guessing
         bad = next(i for i, m in enumerate(loss_masks) if bool(torch.isnan(m).any()))
@@ -329,6 +335,13 @@ def _group_masks(loss_masks: Sequence[torch.Tensor], start: int, stop: int) -> t
             "(counted). Fix the mask (e.g. torch.nan_to_num) before ESS-LR"
         )
     return masks
+
+
+def _check_1d(*concatenated: torch.Tensor) -> None:
+    """A tensor alone in its group keeps its shape through the concatenation (torch.cat only
+    compares dims across tensors): raise so that validate_inputs names it."""
+    if any(t.dim() != 1 for t in concatenated):
+        raise TypeError("a log-prob tensor that is not 1-D")
 
 
 def _stats(
@@ -394,6 +407,7 @@ def _groups_numpy(inputs, lengths, offsets, groups, buffers):
         lp = torch.cat(log_probs[start:stop], out=lp_buf[:n])
         rlp = torch.cat(rollout_log_probs[start:stop], out=rlp_buf[:n])
         masks = _group_masks(loss_masks, start, stop)
+        _check_1d(lp, rlp)
         _widened_difference(diff_buf[:n], lp, rlp, use_numpy=True)
         keep = _nonzero(masks, keep_buf[:n])
         d, bits = diff_np[:n], bits_np[:n]
@@ -445,6 +459,7 @@ def _groups_torch(inputs, lengths, offsets, groups, buffers) -> tuple[torch.Tens
         lp = torch.cat(log_probs[start:stop], out=lp_buf[:n])
         rlp = torch.cat(rollout_log_probs[start:stop], out=rlp_buf[:n])
         masks = _group_masks(loss_masks, start, stop)
+        _check_1d(lp, rlp)
         diff = diff_buf[:n]
         _widened_difference(diff, lp, rlp, use_numpy=False)
         keep = masks if masks.dtype == torch.bool else keep_buf[:n].copy_(masks)
@@ -476,8 +491,9 @@ def summarize(
     flags = Flags() if flags is None else flags
     values = (rank, flags.missing, flags.invalid)
     if _uses_numpy(backend, stats.device):
-        # numpy's calls cost ~1 us where torch's cost ~4 us on CPU: ~50 of them here
-        return torch.from_numpy(_summary(stats.detach().numpy(), config, values, _NUMPY_OPS))
+        # numpy's calls cost ~1 us where torch's cost ~4 us on CPU: ~25 of them here
+        table = stats.detach().to(_ACC).numpy()  # (numpy has no bfloat16)
+        return torch.from_numpy(_summary(table, config, values, _NUMPY_OPS))
     return _summary(stats, config, values, _torch_ops(stats.device))
 
 
@@ -588,7 +604,7 @@ def combine(summaries: torch.Tensor) -> torch.Tensor:
     if summaries.dim() == 1:
         return summaries
     if summaries.shape[0] == 1:
-        return summaries[0]  # what the merge below gives for one row, bit for bit
+        return summaries[0].clone()  # what the merge below gives for one row, bit for bit
     maxes = summaries[:, _MAX]
     shift = maxes.max()
     safe_shift = torch.where(torch.isfinite(shift), shift, 0.0)

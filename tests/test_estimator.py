@@ -436,7 +436,7 @@ def _awkward_batch(lp_dtype, rlp_dtype):
         (torch.float16, torch.float32),
     ],
 )
-def test_every_group_size_and_segment_sum_match_fsum(chunk_tokens, backend, dtypes):
+def test_every_group_size_and_backend_match_fsum(chunk_tokens, backend, dtypes):
     lp, rlp, masks = _awkward_batch(*dtypes)
     stats = estimator.trajectory_stats(lp, rlp, masks, chunk_tokens=chunk_tokens, backend=backend)
     assert stats.dtype == torch.float64 and stats.shape == (len(lp), 3)
@@ -606,6 +606,46 @@ def test_bad_layouts_raise_the_per_sample_error(case, chunk_tokens):
     for seq, saved in zip(batch, before, strict=True):
         for t, s in zip(seq, saved, strict=True):
             assert torch.equal(t, s)  # inputs untouched
+
+
+@pytest.mark.parametrize("which", [0, 2])  # log_probs, loss_masks
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_2d_tensor_alone_in_a_later_group_is_named(which, backend, dtype):
+    # torch.cat only compares dims across tensors: one alone in its group keeps its shape
+    batch = [[torch.zeros(n, dtype=dtype) for n in (40, 50, 150)] for _ in range(2)]
+    batch.append([torch.ones(n) for n in (40, 50, 150)])
+    batch[which][2] = batch[which][2].reshape(15, 10)
+    before = [[t.clone() for t in seq] for seq in batch]
+    name = ("log_probs", "rollout_log_probs", "loss_masks")[which]
+    with pytest.raises(ValueError, match=rf"{name}\[2\] has shape \(15, 10\)"):
+        estimator.trajectory_stats(*batch, chunk_tokens=100, backend=backend)
+    for seq, saved in zip(batch, before, strict=True):
+        for t, s in zip(seq, saved, strict=True):
+            assert torch.equal(t, s)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_an_all_empty_batch_gives_zero_rows(backend, dtype):
+    # an empty workspace slice has stride 0; viewing it as bfloat16 used to raise
+    lp = [torch.zeros(0, dtype=dtype) for _ in range(2)]
+    masks = [torch.ones(0, dtype=torch.bool) for _ in range(2)]
+    stats = estimator.trajectory_stats(lp, [t.clone() for t in lp], masks, backend=backend)
+    assert stats.tolist() == [[0.0, 0.0, 0.0]] * 2
+    assert compute_ess_lr(lp, lp, masks).status == "no_valid"
+
+
+def test_summarize_accepts_a_bfloat16_table_and_combine_copies_one_row():
+    stats = torch.tensor([[0.5, 1.0, 0.0], [-0.25, 1.0, 0.0]], dtype=torch.bfloat16)
+    config = EssLrConfig()
+    fast = estimator.summarize(stats, config, backend="numpy")
+    ref = estimator.summarize(stats.to(torch.float64), config, backend="torch")
+    torch.testing.assert_close(fast, ref, rtol=1e-15, atol=0.0)
+    merged = estimator.combine(fast.unsqueeze(0))
+    assert torch.equal(merged, fast)
+    merged[0] = 123.0  # a caller writing to the result must not change the gathered rows
+    assert fast[0] != 123.0
 
 
 @pytest.mark.slow  # the first CPU/meta concatenation imports torch's meta kernels (~5 s)
