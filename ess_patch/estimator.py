@@ -319,14 +319,25 @@ def _groups(offsets: list[int], chunk_tokens: int | None) -> list[tuple[int, int
     return groups
 
 
-def _group_masks(loss_masks: Sequence[torch.Tensor], start: int, stop: int) -> torch.Tensor:
-    """This group's masks concatenated, in their promoted dtype (no per-sample dtype pass:
-    a complex mask makes the result complex, and a NaN shows in a float result)."""
+def _concatenate_group(
+    inputs: tuple, buffers: tuple, start: int, stop: int, n: int, use_numpy: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Trajectories ``[start, stop)`` (``n`` tokens): ``lp - rlp`` in float64 into the
+    difference buffer; returns that difference and their masks concatenated, in their
+    promoted dtype.
+
+    No per-sample dtype pass for the masks: a complex mask makes the concatenation complex,
+    and a NaN shows in a float one. A tensor alone in its group keeps its shape through
+    ``torch.cat`` (which compares dims only across tensors), hence the 1-D checks. A
+    TypeError here makes the caller run validate_inputs, which names the sample.
+    """
+    log_probs, rollout_log_probs, loss_masks = inputs
+    diff_buf, lp_buf, rlp_buf = buffers[:3]
+    lp = torch.cat(log_probs[start:stop], out=lp_buf[:n])
+    rlp = torch.cat(rollout_log_probs[start:stop], out=rlp_buf[:n])
     masks = torch.cat(loss_masks[start:stop])
-    if masks.is_complex():
-        raise TypeError("a complex loss mask")  # validate_inputs then names the sample
-    if masks.dim() != 1:
-        raise TypeError("a mask that is not 1-D")  # (alone in its group: cat kept its shape)
+    if masks.is_complex() or any(t.dim() != 1 for t in (lp, rlp, masks)):
+        raise TypeError("a complex or non-1-D input tensor")
     if masks.is_floating_point() and bool(torch.isnan(masks).any()):
         # NaN != 0 would count as masked-in: say which sample instead of guessing
         bad = next(i for i, m in enumerate(loss_masks) if bool(torch.isnan(m).any()))
@@ -334,14 +345,9 @@ def _group_masks(loss_masks: Sequence[torch.Tensor], start: int, stop: int) -> t
             f"loss_masks[{bad}] holds NaN; a mask entry must be 0 (ignored) or non-zero "
             "(counted). Fix the mask (e.g. torch.nan_to_num) before ESS-LR"
         )
-    return masks
-
-
-def _check_1d(*concatenated: torch.Tensor) -> None:
-    """A tensor alone in its group keeps its shape through the concatenation (torch.cat only
-    compares dims across tensors): raise so that validate_inputs names it."""
-    if any(t.dim() != 1 for t in concatenated):
-        raise TypeError("a log-prob tensor that is not 1-D")
+    diff = diff_buf[:n]
+    _widened_difference(diff, lp, rlp, use_numpy)
+    return diff, masks
 
 
 def _stats(
@@ -393,8 +399,7 @@ def _groups_numpy(inputs, lengths, offsets, groups, buffers):
     """The CPU path: per group, three concatenations (torch) then numpy passes over the
     workspace (~1 us per call against ~4 us for a torch op on CPU, which matters at
     ~10 calls per group). Returns the ``[B, 3]`` table as a numpy array."""
-    log_probs, rollout_log_probs, loss_masks = inputs
-    diff_buf, lp_buf, rlp_buf, keep_buf, bits_buf = buffers
+    diff_buf, _, _, keep_buf, bits_buf = buffers
     diff_np, bits_np = diff_buf.numpy(), bits_buf.numpy()
     lens = _np.frombuffer(array.array("q", lengths), dtype=_np.int64)  # 5x asarray's speed
     starts = _np.add.accumulate(lens) - lens
@@ -404,11 +409,7 @@ def _groups_numpy(inputs, lengths, offsets, groups, buffers):
     counts = _np.zeros(len(lengths), dtype=_np.int64)
     for start, stop in groups:
         n = offsets[stop] - offsets[start]
-        lp = torch.cat(log_probs[start:stop], out=lp_buf[:n])
-        rlp = torch.cat(rollout_log_probs[start:stop], out=rlp_buf[:n])
-        masks = _group_masks(loss_masks, start, stop)
-        _check_1d(lp, rlp)
-        _widened_difference(diff_buf[:n], lp, rlp, use_numpy=True)
+        _, masks = _concatenate_group(inputs, buffers, start, stop, n, use_numpy=True)
         keep = _nonzero(masks, keep_buf[:n])
         d, bits = diff_np[:n], bits_np[:n]
         # -1 (all bits set) where masked in, 0 where out: int8 negation, sign-extended
@@ -446,8 +447,7 @@ def _nonzero(masks: torch.Tensor, out: torch.Tensor):
 def _groups_torch(inputs, lengths, offsets, groups, buffers) -> tuple[torch.Tensor, torch.Tensor]:
     """Any device: torch ops only. With one group (the default off CPU) the number of
     operations does not depend on B: one kernel launch each on a GPU."""
-    log_probs, rollout_log_probs, loss_masks = inputs
-    diff_buf, lp_buf, rlp_buf, keep_buf, bits_buf = buffers
+    diff_buf, _, _, keep_buf, bits_buf = buffers
     device = diff_buf.device
     seg = torch.frombuffer(array.array("q", lengths), dtype=torch.int64)  # 5x torch.tensor's
     if device.type != "cpu":
@@ -456,12 +456,7 @@ def _groups_torch(inputs, lengths, offsets, groups, buffers) -> tuple[torch.Tens
     sums, counts = [], []
     for start, stop in groups:
         n = offsets[stop] - offsets[start]
-        lp = torch.cat(log_probs[start:stop], out=lp_buf[:n])
-        rlp = torch.cat(rollout_log_probs[start:stop], out=rlp_buf[:n])
-        masks = _group_masks(loss_masks, start, stop)
-        _check_1d(lp, rlp)
-        diff = diff_buf[:n]
-        _widened_difference(diff, lp, rlp, use_numpy=False)
+        diff, masks = _concatenate_group(inputs, buffers, start, stop, n, use_numpy=False)
         keep = masks if masks.dtype == torch.bool else keep_buf[:n].copy_(masks)
         bits = bits_buf[:n].copy_(keep.view(torch.int8).neg_())
         diff.view(torch.int64).bitwise_and_(bits)
