@@ -61,12 +61,12 @@ TOKENS = (1 << 20, 8 << 20, 33 << 20)
 QUICK_TOKENS = (1 << 14, 1 << 16)
 DTYPES = (torch.float32, torch.bfloat16)
 TABLE_ROWS = (1024, 32768)  # B of the CP table: about the 1 M and 33 M token batches
-STEP_VARIANTS = ("unpatched", "control", "disabled", "armed")
+STEP_VARIANTS = ("unpatched", "control", "disabled", "enabled")  # step_bench's names
 STEP_LABELS = {
     "unpatched": "unpatched",
     "control": "control (unpatched)",
     "disabled": "installed, disarmed",
-    "armed": "armed (scale 0.5)",
+    "enabled": "armed (scale 0.5)",
 }
 ESTIMATOR_TITLE = "## GPU 1. compute_ess_lr (one rank)"
 COLLECTIVES_TITLE = "## GPU 2. Collectives of one rollout, one rank"

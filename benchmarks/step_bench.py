@@ -107,14 +107,14 @@ def build(kind: str, hidden: int, device: str | torch.device = "cpu"):
 
 
 def set_variant(variant: str) -> None:
-    """Put ess-patch in the state of ``variant`` (one of ``VARIANTS``; ``armed`` = ``enabled``)."""
+    """Put ess-patch in the state of ``variant`` (one of ``VARIANTS``)."""
     if variant in ("unpatched", "control"):
         if ess_patch.is_installed():
             ess_patch.uninstall()
         return
     if not ess_patch.is_installed():
         ess_patch.install("megatron")
-    if variant in ("enabled", "armed"):
+    if variant == "enabled":
         ess_patch.arm(0.5)
     else:
         ess_patch.disarm()
