@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import logging
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -454,37 +453,45 @@ def log_metrics_wrapper(
     return out
 
 
-def compose_extra_args_provider(
-    user: Callable[[argparse.ArgumentParser], Any] | None,
-) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
-    """The user's ``extra_args_provider`` followed by ours."""
+def parse_args_wrapper(
+    wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict
+) -> Any:
+    """Wrap ``parse_args(extra_args_provider=None, ...)``: add our flags; validate them for a
+    Megatron-RL run.
+
+    A Megatron-RL run is recognised by what it runs, ``--perform-rl-step`` (``train_rl.py``'s
+    recipes set it; Megatron's own validation keys the RL step on it), never by which modules
+    are imported: miles and slime call the same Megatron ``parse_args`` on trees that ship
+    ``megatron/rl`` (``megatron.training.training`` imports ``megatron.rl.rl_utils``), and
+    they validate ``--use-ess-lr`` with their own rules.
+    """
+    call = _bind(wrapped, "parse_args", args, kwargs)
+    user = call.get("extra_args_provider")
+    host_flags: list[bool] = []
 
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if user is not None:
             returned = user(parser)
             parser = parser if returned is None else returned
+        # the host (miles, slime, a fork) declared --use-ess-lr itself: it owns the validation
+        host_flags.append("--use-ess-lr" in parser._option_string_actions)
         return add_ess_arguments(parser)
 
-    return provider
-
-
-def parse_args_wrapper(
-    wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict
-) -> Any:
-    """Wrap ``parse_args(extra_args_provider=None, ...)``: add our flags, validate.
-
-    Only in a Megatron-RL run, recognised by ``megatron.rl.rl_utils`` being imported
-    (``train_rl.py`` imports it before ``pretrain`` parses): miles and slime call the same
-    Megatron ``parse_args`` and have their own flags and rules.
-    """
-    if _RL_UTILS not in sys.modules:
-        return wrapped(*args, **kwargs)
-    call = _bind(wrapped, "parse_args", args, kwargs)
-    call["extra_args_provider"] = compose_extra_args_provider(call.get("extra_args_provider"))
+    call["extra_args_provider"] = provider
     parsed = wrapped(**call)
-    validate(MEGATRON_RL_FRAMEWORK, parsed)
-    if getattr(parsed, "use_ess_lr", False) or shadow_requested(parsed):
-        check_host_shape()
+    requested = getattr(parsed, "use_ess_lr", False) or shadow_requested(parsed)
+    if getattr(parsed, "perform_rl_step", False):
+        validate(MEGATRON_RL_FRAMEWORK, parsed)
+        if requested:
+            check_host_shape()
+    elif requested and host_flags and not host_flags[0]:
+        raise ValueError(
+            "--use-ess-lr (or --ess-lr-shadow) was given to Megatron's parse_args, but this is "
+            "not a Megatron-RL run (no --perform-rl-step) and no RL framework that ess-patch "
+            "integrates with (miles, slime) declared the flag: nothing would measure the ESS. "
+            "Add --perform-rl-step for Megatron-RL (train_rl.py), or launch through miles / "
+            f"slime with ess_patch.install() ({NAME})"
+        )
     return parsed
 
 
