@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import reference_ess
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ess_patch import EssLrConfig, NonFiniteLogProbError, compute_ess_lr, estimator
@@ -387,7 +388,7 @@ def test_arm_with_a_non_number_says_what_is_wrong():
     assert ess_patch.armed() is None
 
 
-# --- issue 18: the chunked CPU path and the one-group (device) path ---------------------------
+# --- per-trajectory sums against math.fsum -----------------------------------------------
 
 
 def _stats_reference(lp, rlp, masks):
@@ -404,7 +405,7 @@ MASK_DTYPES = (torch.bool, torch.int32, torch.float32, torch.int64, torch.uint8,
 
 
 def _awkward_batch(lp_dtype, rlp_dtype):
-    """Lengths 0..3000 (zero-length and all-masked trajectories, one longer than any group),
+    """Lengths 0..3000 (zero-length and all-masked trajectories, one of 3000 tokens),
     masked-out NaN/inf, masks of several dtypes with values other than 0/1."""
     gen = torch.Generator().manual_seed(1818)
     lengths = [0, 5, 3000, 0, 1, 17, 250, 0, 40, 999, 2, 0]
@@ -418,14 +419,11 @@ def _awkward_batch(lp_dtype, rlp_dtype):
             keep[:] = False  # all masked out
         lp[-1][~keep] = float("nan") if i % 2 else float("inf")
         rlp[-1][~keep] = float("-inf")
-        # uint8 / bfloat16: the dtypes numpy lacks or the CPU path reads through torch
         mask_dtype = MASK_DTYPES[i % len(MASK_DTYPES)]
         masks.append(keep.to(mask_dtype) * (3 if mask_dtype in (torch.int64, torch.uint8) else 1))
     return lp, rlp, masks
 
 
-@pytest.mark.parametrize("chunk_tokens", [1, 64, 1000, None])
-@pytest.mark.parametrize("backend", ["numpy", "torch"])
 @pytest.mark.parametrize(
     "dtypes",
     [
@@ -436,9 +434,9 @@ def _awkward_batch(lp_dtype, rlp_dtype):
         (torch.float16, torch.float32),
     ],
 )
-def test_every_group_size_and_backend_match_fsum(chunk_tokens, backend, dtypes):
+def test_trajectory_sums_match_fsum_exact_counts(dtypes):
     lp, rlp, masks = _awkward_batch(*dtypes)
-    stats = estimator.trajectory_stats(lp, rlp, masks, chunk_tokens=chunk_tokens, backend=backend)
+    stats = estimator.trajectory_stats(lp, rlp, masks)
     assert stats.dtype == torch.float64 and stats.shape == (len(lp), 3)
     for got, want in zip(stats.tolist(), _stats_reference(lp, rlp, masks), strict=True):
         assert got[0] == pytest.approx(want[0], rel=1e-12, abs=1e-12)
@@ -446,12 +444,11 @@ def test_every_group_size_and_backend_match_fsum(chunk_tokens, backend, dtypes):
         assert math.copysign(1.0, got[1]) == 1.0  # a count of zero is +0.0
 
 
-@pytest.mark.parametrize("chunk_tokens", [1, 64, None])
-def test_a_masked_in_nan_in_a_later_group_flags_its_trajectory(chunk_tokens):
+def test_a_masked_in_nan_flags_its_trajectory_only():
     lp, rlp, masks = _awkward_batch(torch.float32, torch.float32)
     lp[9] = lp[9].clone()
     lp[9][masks[9].nonzero()[-1, 0]] = float("nan")
-    stats = estimator.trajectory_stats(lp, rlp, masks, chunk_tokens=chunk_tokens)
+    stats = estimator.trajectory_stats(lp, rlp, masks)
     flags = stats[:, 2].tolist()
     assert flags == [1.0 if i == 9 else 0.0 for i in range(len(lp))]
     assert stats[9, 0].item() == 0.0
@@ -459,48 +456,19 @@ def test_a_masked_in_nan_in_a_later_group_flags_its_trajectory(chunk_tokens):
         compute_ess_lr(lp, rlp, masks)
 
 
-def test_a_nan_mask_in_a_later_group_is_rejected_naming_the_sample():
+def test_a_nan_mask_in_a_later_sample_is_rejected_naming_it():
     lp = [torch.zeros(50) for _ in range(6)]
     masks = [torch.ones(50) for _ in range(6)]
     masks[4] = masks[4].clone()
     masks[4][7] = float("nan")
     with pytest.raises(ValueError, match=r"loss_masks\[4\] holds NaN"):
-        estimator.trajectory_stats(lp, lp, masks, chunk_tokens=60)
+        estimator.trajectory_stats(lp, lp, masks)
 
 
-class _OpCount(TorchDispatchMode):
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # nothing is compiled here; True would import torch._dynamo (~5 s)
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
-def test_one_group_path_dispatches_the_same_ops_whatever_b():
-    # the path a GPU takes (one group, torch segment sums): one kernel launch per op,
-    # so its op count must not grow with the number of trajectories
-    config = EssLrConfig()
-    counts = set()
-    for n in (3, 40, 500):
-        gen = torch.Generator().manual_seed(n)
-        batch = _random_batch(gen, n, max_len=200)
-        with _OpCount() as ops:
-            stats = estimator.trajectory_stats(*batch, chunk_tokens=None, backend="torch")
-            summary = estimator.summarize(stats, config, backend="torch")
-            estimator.finalize(estimator.combine(summary), config)
-        counts.add(ops.count)
-    assert len(counts) == 1, counts
-
-
-def test_cpu_path_and_one_group_path_agree_at_scale():
+def test_sums_at_scale_match_a_float64_loop():
+    # 300 K tokens in one call: every trajectory's segment sum against its own float64 sum
     gen = torch.Generator().manual_seed(5)
-    n = 300_000  # a few groups of CPU_CHUNK_TOKENS
+    n = 300_000
     base = -torch.rand(n, generator=gen) * 3
     lengths = torch.randint(100, 2001, (400,), generator=gen)
     lengths = lengths[lengths.cumsum(0) <= n].tolist()
@@ -508,16 +476,47 @@ def test_cpu_path_and_one_group_path_agree_at_scale():
     lp = list((base + torch.randn(n, generator=gen) * 0.05).split(lengths))
     rlp = list(base.split(lengths))
     masks = list((torch.rand(n, generator=gen) > 0.1).split(lengths))
-    cpu = estimator.trajectory_stats(lp, rlp, masks)
-    one = estimator.trajectory_stats(lp, rlp, masks, chunk_tokens=None, backend="torch")
-    assert torch.equal(cpu[:, 1:], one[:, 1:])
-    torch.testing.assert_close(cpu[:, 0], one[:, 0], rtol=1e-12, atol=1e-12)
+    stats = estimator.trajectory_stats(lp, rlp, masks)
+    want = torch.stack(
+        [
+            torch.stack([((x.double() - y.double()) * k).sum(), k.sum(dtype=torch.float64)])
+            for x, y, k in zip(lp, rlp, masks, strict=True)
+        ]
+    )
+    assert torch.equal(stats[:, 1], want[:, 1])
+    assert not stats[:, 2].any()
+    torch.testing.assert_close(stats[:, 0], want[:, 0], rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("mode", ["geometric", "product"])
+# --- the summary against a float64 computation in Python ------------------------------------
+
+
+def _summary_reference(stats, config, rank, missing, invalid):
+    """:func:`estimator.summarize`'s fields from the table's rows, in Python floats."""
+    rows = stats.double().tolist()
+    ms, valid, empty, bad = [], 0, 0, []
+    for i, (total, count, flag) in enumerate(rows):
+        m = total / max(count, 1.0) if config.weight_mode == "geometric" else total
+        if flag > 0 or not math.isfinite(m):
+            bad.append(i)
+            continue
+        if count == 0:
+            empty += 1
+            continue
+        if config.weight_clip is not None:
+            m = min(m, math.log(config.weight_clip))
+        valid += 1
+        ms.append(m)
+    shift = max(ms) if ms else -math.inf
+    w = [math.exp(m - shift) for m in ms]
+    s1, s2 = math.fsum(w), math.fsum(x * x for x in w)
+    first = float(bad[0]) if bad else -1.0
+    return [shift, s1, s2, valid, empty, len(bad), first, rank, float(missing), float(invalid)]
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("clip", [None, 1.5])
-def test_numpy_and_torch_summaries_agree(mode, clip):
-    # the CPU runs summarize in numpy, other devices in torch: same fields, same outcome
+def test_summarize_matches_a_python_reference(mode, clip):
     gen = torch.Generator().manual_seed(11)
     config = EssLrConfig(weight_mode=mode, weight_clip=clip)
     n = 257
@@ -530,30 +529,33 @@ def test_numpy_and_torch_summaries_agree(mode, clip):
         torch.stack([total, count, torch.zeros(n, dtype=torch.float64)], 1),
         torch.zeros((0, 3), dtype=torch.float64),
         torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64),  # none valid
+        torch.tensor([[0.5, 1.0, 0.0], [-0.25, 1.0, 0.0]], dtype=torch.bfloat16),  # widened
     ]
     flag_sets = [
-        {"rank": 3},
-        {"rank": 1, "flags": estimator.Flags(missing=True)},
-        {"rank": 2, "flags": estimator.Flags(missing=torch.tensor(1.0), invalid=torch.tensor(0))},
+        (3, estimator.Flags(), False, False),
+        (1, estimator.Flags(missing=True), True, False),
+        (2, estimator.Flags(missing=torch.tensor(1.0), invalid=torch.tensor(0)), True, False),
+        (0, estimator.Flags(invalid=True), False, True),
     ]
     for stats in tables:
-        for kwargs in flag_sets:
-            fast = estimator.summarize(stats, config, backend="numpy", **kwargs)
-            ref = estimator.summarize(stats, config, backend="torch", **kwargs)
-            assert fast.dtype == ref.dtype == torch.float64
-            assert fast.shape == ref.shape == (estimator.SUMMARY_SIZE,)
-            # exp may differ in the last bit between the two libraries; everything else is exact
-            torch.testing.assert_close(fast, ref, rtol=1e-15, atol=0.0)
-            assert torch.equal(fast[3:], ref[3:]) and torch.equal(fast[0], ref[0])
+        for rank, flags, missing, invalid in flag_sets:
+            got = estimator.summarize(stats, config, rank=rank, flags=flags)
+            assert got.dtype == torch.float64 and got.shape == (estimator.SUMMARY_SIZE,)
+            want = _summary_reference(stats, config, rank, missing, invalid)
+            assert got[0].item() == want[0]  # the shift: the largest m, exactly
+            assert got[1:3].tolist() == pytest.approx(want[1:3], rel=1e-13)
+            assert got[3:].tolist() == want[3:]  # tallies, first bad index, rank, flags
 
 
-def test_summarize_backend_is_checked():
-    stats = torch.zeros((1, 3), dtype=torch.float64)
-    with pytest.raises(ValueError, match="backend must be 'auto', 'numpy' or 'torch'"):
-        estimator.summarize(stats, EssLrConfig(), backend="jax")
-    with pytest.raises(ValueError, match="needs numpy installed and CPU tensors"):
-        estimator.summarize(stats.to("meta"), EssLrConfig(), backend="numpy")
+def test_combine_copies_one_row():
+    row = estimator.summarize(torch.tensor([[0.5, 1.0, 0.0]], dtype=torch.float64), EssLrConfig())
+    merged = estimator.combine(row.unsqueeze(0))
+    assert torch.equal(merged, row)
+    merged[0] = 123.0  # a caller writing to the result must not change the gathered rows
+    assert row[0] != 123.0
 
+
+# --- bad layouts: the per-sample error, inputs untouched --------------------------------------
 
 BAD_LAYOUTS = {
     "the first sample on two devices": (
@@ -594,13 +596,12 @@ BAD_LAYOUTS = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_LAYOUTS))
-@pytest.mark.parametrize("chunk_tokens", [1, None])
-def test_bad_layouts_raise_the_per_sample_error(case, chunk_tokens):
+def test_bad_layouts_raise_the_per_sample_error(case):
     make, exc, pattern = BAD_LAYOUTS[case]
     batch = _batch([0.0, 0.1, 0.2])
     before = [[t.clone() for t in seq] for seq in batch]
     with pytest.raises(exc, match=pattern):
-        estimator.trajectory_stats(*make(batch), chunk_tokens=chunk_tokens)
+        estimator.trajectory_stats(*make(batch))
     with pytest.raises(exc, match=pattern):
         compute_ess_lr(*make(batch))
     for seq, saved in zip(batch, before, strict=True):
@@ -609,43 +610,36 @@ def test_bad_layouts_raise_the_per_sample_error(case, chunk_tokens):
 
 
 @pytest.mark.parametrize("which", [0, 2])  # log_probs, loss_masks
-@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize(
+    "sizes",
+    [(150,), (0, 0, 150), (40, 50, 150)],
+    ids=["alone", "after-empty-samples", "after-1d-samples"],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_a_2d_tensor_alone_in_a_later_group_is_named(which, backend, dtype):
-    # torch.cat only compares dims across tensors: one alone in its group keeps its shape
-    batch = [[torch.zeros(n, dtype=dtype) for n in (40, 50, 150)] for _ in range(2)]
-    batch.append([torch.ones(n) for n in (40, 50, 150)])
-    batch[which][2] = batch[which][2].reshape(15, 10)
+def test_a_2d_tensor_is_named(which, sizes, dtype):
+    # torch.cat compares dims only across non-empty tensors: a 2-D one alone, or after empty
+    # ones, keeps its shape through the concatenation
+    batch = [[torch.zeros(n, dtype=dtype) for n in sizes] for _ in range(2)]
+    batch.append([torch.ones(n) for n in sizes])
+    last = len(sizes) - 1
+    batch[which][last] = batch[which][last].reshape(15, 10)
     before = [[t.clone() for t in seq] for seq in batch]
     name = ("log_probs", "rollout_log_probs", "loss_masks")[which]
-    with pytest.raises(ValueError, match=rf"{name}\[2\] has shape \(15, 10\)"):
-        estimator.trajectory_stats(*batch, chunk_tokens=100, backend=backend)
+    with pytest.raises(ValueError, match=rf"{name}\[{last}\] has shape \(15, 10\)"):
+        estimator.trajectory_stats(*batch)
     for seq, saved in zip(batch, before, strict=True):
         for t, s in zip(seq, saved, strict=True):
             assert torch.equal(t, s)
 
 
-@pytest.mark.parametrize("backend", ["numpy", "torch"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_an_all_empty_batch_gives_zero_rows(backend, dtype):
-    # an empty workspace slice has stride 0; viewing it as bfloat16 used to raise
+def test_an_all_empty_batch_gives_zero_rows(dtype):
     lp = [torch.zeros(0, dtype=dtype) for _ in range(2)]
     masks = [torch.ones(0, dtype=torch.bool) for _ in range(2)]
-    stats = estimator.trajectory_stats(lp, [t.clone() for t in lp], masks, backend=backend)
+    stats = estimator.trajectory_stats(lp, [t.clone() for t in lp], masks)
     assert stats.tolist() == [[0.0, 0.0, 0.0]] * 2
     assert compute_ess_lr(lp, lp, masks).status == "no_valid"
-
-
-def test_summarize_accepts_a_bfloat16_table_and_combine_copies_one_row():
-    stats = torch.tensor([[0.5, 1.0, 0.0], [-0.25, 1.0, 0.0]], dtype=torch.bfloat16)
-    config = EssLrConfig()
-    fast = estimator.summarize(stats, config, backend="numpy")
-    ref = estimator.summarize(stats.to(torch.float64), config, backend="torch")
-    torch.testing.assert_close(fast, ref, rtol=1e-15, atol=0.0)
-    merged = estimator.combine(fast.unsqueeze(0))
-    assert torch.equal(merged, fast)
-    merged[0] = 123.0  # a caller writing to the result must not change the gathered rows
-    assert fast[0] != 123.0
+    assert estimator.trajectory_stats([], [], []).shape == (0, 3)
 
 
 @pytest.mark.slow  # the first CPU/meta concatenation imports torch's meta kernels (~5 s)
@@ -656,18 +650,98 @@ def test_a_later_sample_on_another_device_is_named():
         estimator.trajectory_stats(lp, rlp, masks)
 
 
-@pytest.mark.parametrize(
-    "kwargs, pattern",
-    [
-        ({"chunk_tokens": 0}, "chunk_tokens must be a positive int"),
-        ({"chunk_tokens": "big"}, "chunk_tokens must be a positive int"),
-        ({"backend": "scipy"}, "backend must be 'auto', 'numpy' or 'torch'"),
-        ({"backend": "numpy"}, "needs numpy installed and CPU tensors"),
-    ],
-)
-def test_bad_trajectory_stats_options_are_named(kwargs, pattern):
-    batch = _batch([0.0, 0.1])
-    if kwargs.get("backend") == "numpy":
-        batch = tuple([t.to("meta") for t in seq] for seq in batch)
-    with pytest.raises(ValueError, match=pattern):
-        estimator.trajectory_stats(*batch, **kwargs)
+# --- issue 25: what the path dispatches (a GPU's kernel launches and host syncs) ------------
+
+# aten ops whose result a GPU must hand to the host: a stream synchronisation each
+SYNC_OPS = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2"})
+# tensor methods that read the data on the host without dispatching an aten op on CPU
+HOST_READS = frozenset({"tolist", "numpy", "__array__"})
+
+
+class _Dispatched(TorchDispatchMode):
+    """aten ops dispatched in the block, and those of them that sync a GPU with the host."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # nothing is compiled here; True would import torch._dynamo (~5 s)
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.syncs = 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        if func.overloadpacket.__name__ in SYNC_OPS:
+            self.syncs.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+class _HostReads(TorchFunctionMode):
+    """``tolist``/``numpy`` calls (on a GPU a device-to-host copy that waits for the stream;
+    on CPU no aten op shows them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in HOST_READS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _dispatched(fn):
+    with _HostReads() as host, _Dispatched() as aten:
+        fn()
+    return aten.ops, aten.syncs + host.reads
+
+
+def _benchmark_batch(n, lp_dtype, mask_dtype):
+    gen = torch.Generator().manual_seed(n)
+    lp, rlp, masks = _random_batch(gen, n, max_len=200, empty_every=5, dtype=lp_dtype)
+    return lp, rlp, [m.to(mask_dtype) for m in masks]
+
+
+@pytest.mark.parametrize("lp_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask_dtype", [torch.int32, torch.bool, torch.float32])
+@pytest.mark.parametrize("mode", MODES)
+def test_ops_per_call_are_constant_in_b_and_at_most_100(lp_dtype, mask_dtype, mode):
+    config = EssLrConfig(weight_mode=mode, weight_clip=2.0 if mode == "product" else None)
+    counts = set()
+    for n in (1, 3, 40, 500):
+        batch = _benchmark_batch(n, lp_dtype, mask_dtype)
+        ops, _ = _dispatched(lambda b=batch: compute_ess_lr(*b, config=config))
+        counts.add(ops)
+    assert len(counts) == 1, counts
+    assert 10 < counts.pop() <= 100
+
+
+@pytest.mark.parametrize("lp_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask_dtype", [torch.int32, torch.bool])
+def test_one_host_sync_per_call_the_final_read(lp_dtype, mask_dtype):
+    batch = _benchmark_batch(64, lp_dtype, mask_dtype)
+    _, syncs = _dispatched(lambda: compute_ess_lr(*batch))
+    assert syncs == ["tolist"]  # finalize's, and nothing before it
+    # the steps that run between the collectives read nothing back
+    stats = estimator.trajectory_stats(*batch)
+    for step in (
+        lambda: estimator.trajectory_stats(*batch),
+        lambda: estimator.summarize(stats, EssLrConfig(), rank=1, flags=estimator.Flags()),
+        lambda: estimator.combine(torch.stack([estimator.summarize(stats, EssLrConfig())] * 3)),
+    ):
+        assert _dispatched(step)[1] == []
+
+
+def test_float_masks_add_one_sync_for_the_nan_check():
+    # the NaN check must raise before any collective (so that peers learn of the fault
+    # from this rank's envelope): it reads one flag back, the only other sync
+    batch = _benchmark_batch(64, torch.float32, torch.float32)
+    _, syncs = _dispatched(lambda: compute_ess_lr(*batch))
+    assert syncs == ["_local_scalar_dense", "tolist"]
+
+
+def test_the_counters_see_a_sync_and_count_ops_per_trajectory():
+    # the instruments themselves: a per-trajectory loop with .item() is caught
+    batch = _benchmark_batch(8, torch.float32, torch.int32)
+    ops, syncs = _dispatched(lambda: [float((x - y).sum()) for x, y, _ in zip(*batch)])
+    assert ops == 8 * 3 and syncs == ["_local_scalar_dense"] * 8
