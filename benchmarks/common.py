@@ -8,7 +8,9 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,6 +44,65 @@ class OpCounter(TorchDispatchMode):
     @property
     def total(self) -> int:
         return sum(self.ops.values())
+
+
+# aten ops whose result a GPU must hand to the host (a stream synchronisation each) ...
+SYNC_OPS = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2"})
+# ... and tensor methods that read data on the host without an aten op on CPU tensors
+HOST_READS = frozenset({"tolist", "numpy", "__array__"})
+
+
+class Dispatched(TorchDispatchMode):
+    """aten ops dispatched inside the block: how many, the time spent inside them (each
+    op's own call, ``time.perf_counter``), and the host synchronisations a GPU would make
+    (:data:`SYNC_OPS`, plus the :data:`HOST_READS` seen by :class:`HostReads`). No
+    ``torch.cuda`` call: it measures on CPU what a GPU would launch and wait for."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # nothing is compiled here; True would import torch._dynamo (~5 s)
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+        self.op_seconds = 0.0
+        self.syncs: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        name = func.overloadpacket.__name__
+        if name in SYNC_OPS:
+            self.syncs.append(name)
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self.op_seconds += time.perf_counter() - start
+        return out
+
+
+class HostReads(TorchFunctionMode):
+    """Calls of :data:`HOST_READS` methods (on a GPU a copy to the host that waits)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in HOST_READS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+class DispatchReport(NamedTuple):
+    ops: int
+    op_seconds: float
+    syncs: list[str]
+
+
+def dispatch_report(fn: Callable[[], object]) -> DispatchReport:
+    """What one call of ``fn`` dispatches: aten ops, seconds inside them, host syncs."""
+    with HostReads() as host, Dispatched() as aten:
+        fn()
+    return DispatchReport(aten.ops, aten.op_seconds, aten.syncs + host.reads)
 
 
 def count_ops(fn: Callable[[], object]) -> int:

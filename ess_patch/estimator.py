@@ -224,15 +224,21 @@ def _stats(
             f"loss_masks[{bad}] holds NaN; a mask entry must be 0 (ignored) or non-zero "
             "(counted). Fix the mask (e.g. torch.nan_to_num) before ESS-LR"
         )
-    # float64 difference: a widening copy (a no-op for float64: cat's result is ours to
-    # modify), then the subtraction in place
-    diff = lp.to(_ACC).sub_(rlp)
     keep = masks if masks.dtype == torch.bool else masks != 0
-    diff = torch.where(keep, diff, 0.0)  # masked-out d_t -> 0, NaN included
-    seg = _lengths_on(lengths, diff.device)
-    # segment_reduce has no integer kernel: the counts go through float64 (exact below 2^53)
-    total = torch.segment_reduce(diff, "sum", lengths=seg, unsafe=True)
-    count = torch.segment_reduce(keep.to(_ACC), "sum", lengths=seg, unsafe=True)
+    # One float64 workspace, [tokens, 2]: column 0 the differences, column 1 the counts, so
+    # that one segment sum reduces both, and the buffer is allocated (page-faulted, on CPU)
+    # once: fresh memory costs more than the passes over it there.
+    work = torch.empty((lp.shape[0], 2), dtype=_ACC, device=lp.device)
+    diff, count = work.unbind(1)
+    diff.copy_(lp)  # widened: float64 differences are exact for fp32/bf16/fp16 inputs
+    count.copy_(rlp)
+    diff.sub_(count)  # same dtypes: a mixed-dtype subtraction is ~10x slower on CPU
+    diff.masked_fill_(~keep, 0.0)  # masked-out d_t -> 0, NaN included
+    count.copy_(keep)
+    # float64 counts: exact below 2^53 (segment_reduce has no integer kernel)
+    total, count = torch.segment_reduce(
+        work, "sum", lengths=_lengths_on(lengths, work.device), unsafe=True
+    ).unbind(1)
     finite = _finite(total)
     return torch.stack([torch.where(finite, total, 0.0), count, (~finite).to(_ACC)], 1)
 
