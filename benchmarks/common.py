@@ -62,8 +62,9 @@ class Dispatched(TorchDispatchMode):
     def _should_skip_dynamo(cls) -> bool:
         return False  # nothing is compiled here; True would import torch._dynamo (~5 s)
 
-    def __init__(self):
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
         super().__init__()
+        self.clock = clock
         self.ops = 0
         self.op_seconds = 0.0
         self.syncs: list[str] = []
@@ -73,9 +74,9 @@ class Dispatched(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name in SYNC_OPS:
             self.syncs.append(name)
-        start = time.perf_counter()
+        start = self.clock()
         out = func(*args, **(kwargs or {}))
-        self.op_seconds += time.perf_counter() - start
+        self.op_seconds += self.clock() - start
         return out
 
 
@@ -94,15 +95,21 @@ class HostReads(TorchFunctionMode):
 
 class DispatchReport(NamedTuple):
     ops: int
-    op_seconds: float
+    op_seconds: float  # inside the ops
+    seconds: float  # the whole call, under the counting modes (their overhead included)
     syncs: list[str]
 
 
-def dispatch_report(fn: Callable[[], object]) -> DispatchReport:
-    """What one call of ``fn`` dispatches: aten ops, seconds inside them, host syncs."""
-    with HostReads() as host, Dispatched() as aten:
+def dispatch_report(
+    fn: Callable[[], object], clock: Callable[[], float] = time.perf_counter
+) -> DispatchReport:
+    """What one call of ``fn`` dispatches: aten ops, time inside them and in all (by
+    ``clock``), host syncs."""
+    with HostReads() as host, Dispatched(clock) as aten:
+        start = clock()
         fn()
-    return DispatchReport(aten.ops, aten.op_seconds, aten.syncs + host.reads)
+        seconds = clock() - start
+    return DispatchReport(aten.ops, aten.op_seconds, seconds, aten.syncs + host.reads)
 
 
 def count_ops(fn: Callable[[], object]) -> int:
