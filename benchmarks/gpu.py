@@ -5,7 +5,8 @@ measured), three sections:
 
 1. ``compute_ess_lr`` at 1 M / 8 M / 33 M tokens with fp32 and bf16 log-probs: best wall
    time, aten ops dispatched, CUDA kernels (device activities seen by ``torch.profiler``)
-   and host synchronisations (``torch.cuda.set_sync_debug_mode("warn")`` warnings).
+   and host synchronisations (``torch.cuda.set_sync_debug_mode("warn")`` warnings, and the
+   host reads the dispatch modes of ``benchmarks.common`` see, on any device).
 2. The collectives a rollout issues, on the 1-rank groups of a one-GPU NCCL world (megatron
    ``parallel_state``): CP envelope all-gather, CP all-reduce of the ``[B, 3]`` float64
    trajectory table, DP all-gather of the summary + envelope row, PP all-gather of the
@@ -55,11 +56,12 @@ import torch.distributed as dist
 import ess_patch
 from ess_patch import compute_ess_lr
 
-from .common import OpCounter, table, verdict
+from .common import OpCounter, dispatch_report, table, verdict
 
 TOKENS = (1 << 20, 8 << 20, 33 << 20)
 QUICK_TOKENS = (1 << 14, 1 << 16)
 DTYPES = (torch.float32, torch.bfloat16)
+MAX_ESTIMATOR_OPS = 100  # issue 25's bound on the estimator's ops (launches) per call
 TABLE_ROWS = (1024, 32768)  # B of the CP table: about the 1 M and 33 M token batches
 STEP_VARIANTS = ("unpatched", "control", "disabled", "enabled")  # step_bench's names
 STEP_LABELS = {
@@ -228,23 +230,33 @@ def estimator_section(
                     count_ops(call),
                     count_kernels(call, device),
                     count_syncs(call, device),
+                    len(dispatch_report(call).syncs),
                 ]
             )
             del batch
-    same = all(len({r[4] for r in rows if r[1] == d}) == 1 for d in {r[1] for r in rows})
+    ops = {r[4] for r in rows}
+    reads = {r[7] for r in rows}
     notes = [
-        f"- aten ops the same at every size, for each dtype (a fixed number of launches "
-        f"whatever B): {verdict(same)}"
+        f"- aten ops the same at every size and dtype, at most {MAX_ESTIMATOR_OPS} (a fixed "
+        f"number of launches whatever B; {sorted(ops)}): "
+        f"{verdict(len(ops) == 1 and max(ops) <= MAX_ESTIMATOR_OPS)}",
+        f"- at most one host read per call by dispatch ({sorted(reads)}; int32 masks): "
+        f"{verdict(max(reads) <= 1)}",
+        "- host reads (dispatch) = aten::_local_scalar_dense / nonzero / ... and .tolist() seen "
+        "by dispatch modes (any device); host syncs = CUDA sync-debug warnings (cuda only)",
     ]
-    if device == "cpu":
-        notes.append(
-            "- on CPU the estimator takes its CPU path: tokens in chunks (the op count may grow "
-            "with size past a chunk), numpy passes where numpy has the dtype (not bf16); the "
-            "GPU path runs one group of torch ops"
-        )
     return Section(
         ESTIMATOR_TITLE,
-        ["tokens", "dtype", "B", "best ms", "aten ops", "kernels", "host syncs"],
+        [
+            "tokens",
+            "dtype",
+            "B",
+            "best ms",
+            "aten ops",
+            "kernels",
+            "host syncs",
+            "host reads (dispatch)",
+        ],
         rows,
         notes,
     )
