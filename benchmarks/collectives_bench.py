@@ -1,6 +1,6 @@
 """Benchmark 2: collectives per rollout for every (dp, cp, pp) layout, over real gloo ranks.
 
-Each layout runs in fresh processes (the package's launcher, ``ess_patch._launch``: real Megatron
+Each layout runs in fresh processes (the tests' launcher, ``tests/gloo_ranks.py``: real Megatron
 ``parallel_state``).
 Every rank holds its DP shard of a 256-trajectory batch, CP-sliced as miles slices it; the
 last pipeline stage computes ``compute_ess_lr`` and ``broadcast_from_last_stage`` gives the
@@ -26,9 +26,9 @@ from .common import table, use_test_helpers, verdict
 use_test_helpers()
 
 from dist_helpers import cp_local, dp_shard, make_batch  # noqa: E402
+from gloo_ranks import launch_ranks, layout  # noqa: E402
 
 import ess_patch  # noqa: E402
-from ess_patch._launch import launch_ranks, layout  # noqa: E402
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)]
 NUM = 256

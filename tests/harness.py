@@ -28,8 +28,8 @@ traceback, preferring a rank whose error is not just a peer's ``Connection close
 gloo timeout. On timeout the stuck ranks dump their Python stacks (``faulthandler`` on
 SIGUSR1) before being killed, and the report names them and shows where they were.
 
-The launcher itself (forkserver, per-rank setup, root-cause report) is the package's
-:mod:`ess_patch._launch`, shared with the demo and the benchmarks; this module keeps the tests'
+The launcher itself (forkserver, per-rank setup, root-cause report) is ``gloo_ranks`` next
+to this file (the collectives benchmark uses it too); this module keeps the tests'
 API: ``run_ranks`` raises :class:`DistTestFailure` (an ``AssertionError``, so pytest shows it
 as a test failure) and ``FAIL_GRACE_S`` can be monkeypatched here.
 """
@@ -41,8 +41,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ess_patch import _launch
-from ess_patch._launch import RankLayout, _pick_root_cause, layout, rank_coords, run_dir
+import gloo_ranks as _launch
+from gloo_ranks import RankLayout, _pick_root_cause, layout, rank_coords, run_dir
 
 __all__ = [
     "DistTestFailure",

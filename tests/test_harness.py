@@ -239,7 +239,7 @@ class _EditableFinder(importlib.abc.MetaPathFinder):
 
 
 def test_a_package_found_only_by_a_meta_path_finder_is_accepted(tmp_path, monkeypatch):
-    from ess_patch import _launch
+    import gloo_ranks as _launch
 
     package = tmp_path / "hidden_pkg_for_launch"
     package.mkdir()

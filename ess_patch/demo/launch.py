@@ -1,21 +1,32 @@
 """Start the demo's ranks as local processes (gloo) and collect what they recorded.
 
-The package's one launcher (:mod:`ess_patch._launch`: forkserver with torch and megatron-core
-preloaded, gloo world, megatron's real ``parallel_state.initialize_model_parallel`` with the
-requested DP x CP x PP layout, TP = 1) runs :func:`ess_patch.demo.train.run_rank` on every
-rank. Each rank logs to ``<out>/ranks/rank<r>.log``. A rank that fails exits at once; the
-others are stopped and :class:`DemoError` carries the root-cause rank's traceback.
+Each rank is a forkserver child (torch and megatron-core preloaded once: a launch costs
+milliseconds, not a fresh import per rank) that joins a gloo world through a ``FileStore``,
+sets up megatron's real ``parallel_state.initialize_model_parallel`` with the requested
+DP x CP x PP layout (TP = 1) and runs :func:`ess_patch.demo.train.run_rank`. Each rank logs
+to ``<out>/ranks/rank<r>.log``. A rank that raises writes its traceback next to its log and
+exits at once (its peers then fail fast on the closed connections); the others get
+:data:`FAIL_GRACE_S` seconds, then are stopped, and :class:`DemoError` carries the traceback
+of the rank that failed first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
 import queue as queue_module
+import sys
+import time
+import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from .. import _launch
 from .train import DemoConfig
 
 __all__ = ["DemoError", "launch"]
@@ -23,7 +34,9 @@ __all__ = ["DemoError", "launch"]
 logger = logging.getLogger(__name__)
 
 PRELOAD = (
-    *_launch.PRELOAD,
+    "torch",
+    "megatron.core",
+    "megatron.core.parallel_state",
     "megatron.core.optimizer",
     "megatron.core.distributed",
     "ess_patch.demo.train",
@@ -32,20 +45,97 @@ PRELOAD = (
 COLLECTIVE_TIMEOUT_S = 300.0
 #: Seconds the other ranks get to report their own error after the first one failed.
 FAIL_GRACE_S = 3.0
+_LOG_TAIL_LINES = 40
+# Megatron warns once per rank that it runs without Transformer Engine / Apex (always, on CPU).
+_QUIET_WARNINGS = "ignore:Transformer Engine and Apex are not installed:UserWarning"
 
 
 class DemoError(RuntimeError):
     """A demo rank failed; the message names it and carries its traceback."""
 
 
-def _demo_rank(cfg: DemoConfig, progress: Any) -> list[dict[str, Any]] | None:
-    """Entry point of one rank: train, then flush the progress queue before exiting."""
+def _rank_main(rank: int, cfg: DemoConfig, directory: str, progress: Any) -> None:
+    """Entry point of one rank (a forkserver child): train, write the records or the error."""
+    d = Path(directory)
+    # the forkserver's fds are whatever its starter had: each rank writes its own log
+    log_fd = os.open(d / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s rank{rank} %(name)s %(levelname)s: %(message)s",
+        force=True,
+    )
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
     from .train import run_rank
 
-    records = run_rank(cfg, progress)
-    progress.close()
-    progress.join_thread()
-    return records
+    torch.set_num_threads(1)
+    try:
+        timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        store = dist.FileStore(str(d / "store"), cfg.world_size)
+        store.set_timeout(timeout)
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=cfg.world_size, store=store, timeout=timeout
+        )
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=1,
+            pipeline_model_parallel_size=cfg.pp,
+            context_parallel_size=cfg.cp,
+            distributed_timeout_minutes=COLLECTIVE_TIMEOUT_S / 60.0,
+            create_gloo_process_groups=False,
+        )
+        records = run_rank(cfg, progress)
+        progress.close()
+        progress.join_thread()  # the last steps reach the parent before this rank exits
+        _write(d / f"rank{rank}.result.pkl", pickle.dumps(records))
+    except BaseException:
+        _write(d / f"rank{rank}.error.txt", traceback.format_exc().encode())
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # exit now, without tearing the groups down: peers blocked in a collective with
+        # this rank see the closed sockets at once instead of waiting for the gloo timeout
+        os._exit(1)
+    try:  # the records are on disk: teardown problems must not turn them into a failure
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+    except Exception:
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def _write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _context() -> Any:
+    """The forkserver context, its server started once per process with one thread per
+    rank and megatron's "no Transformer Engine" warning silenced (the ranks inherit its
+    environment)."""
+    from multiprocessing import forkserver
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # no effect once the server runs
+    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PYTHONWARNINGS")}
+    warnings = ",".join(filter(None, [saved["PYTHONWARNINGS"], _QUIET_WARNINGS]))
+    os.environ.update(OMP_NUM_THREADS="1", PYTHONWARNINGS=warnings)
+    try:
+        forkserver.ensure_running()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return ctx
 
 
 def launch(
@@ -65,7 +155,7 @@ def launch(
     rank_dir.mkdir(parents=True, exist_ok=True)
     for stale in rank_dir.glob("*"):
         stale.unlink()
-    ctx = _launch.context(PRELOAD)
+    ctx = _context()
     progress = ctx.Queue()
 
     def drain() -> None:
@@ -85,28 +175,74 @@ def launch(
         cfg.pp,
         rank_dir,
     )
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, cfg, str(rank_dir), progress), name=f"rank{r}")
+        for r in range(cfg.world_size)
+    ]
     try:
-        results = _launch.launch_ranks(
-            _demo_rank,
-            dp=cfg.dp,
-            cp=cfg.cp,
-            pp=cfg.pp,
-            args=(cfg,),
-            inherit=(progress,),
-            directory=rank_dir,
-            timeout=None,
-            collective_timeout=COLLECTIVE_TIMEOUT_S,
-            fail_grace=FAIL_GRACE_S,
-            preload=PRELOAD,
-            log_level=logging.INFO,
-            poll=drain,
-            label=f"ess-patch demo (dp={cfg.dp} cp={cfg.cp} pp={cfg.pp})",
-        )
-    except _launch.RankFailure as exc:
-        raise DemoError(str(exc)) from None
+        for p in procs:
+            p.start()
+        _join(procs, drain)
     finally:
+        for p in procs:  # on any way out (an error, Ctrl-C): no rank outlives the launch
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(5.0)
+        drain()
         progress.close()
-    for r in range(cfg.world_size):  # plain data, now in the returned records
-        (rank_dir / f"rank{r}.result.pt").unlink(missing_ok=True)
-    (rank_dir / "args.pt").unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            (rank_dir / "store").unlink()
+    failed = _failure(procs, rank_dir, cfg)
+    if failed:
+        raise DemoError(failed)
+    results = []
+    for r in range(cfg.world_size):
+        path = rank_dir / f"rank{r}.result.pkl"
+        results.append(pickle.loads(path.read_bytes()))  # our ranks' own files, this run
+        path.unlink()
     return next(r for r in results if r is not None)
+
+
+def _join(procs: list[Any], poll: Callable[[], None]) -> None:
+    """Wait for every rank, calling ``poll`` every 0.2 s; once one has failed, the rest get
+    :data:`FAIL_GRACE_S` seconds (the caller kills what is left)."""
+    alive = {p.sentinel: p for p in procs}
+    first_failure: float | None = None
+    while alive:
+        if first_failure is not None and time.monotonic() >= first_failure + FAIL_GRACE_S:
+            return
+        for sentinel in multiprocessing.connection.wait(list(alive), timeout=0.2):
+            p = alive.pop(sentinel)
+            p.join()
+            if p.exitcode != 0 and first_failure is None:
+                first_failure = time.monotonic()
+        poll()
+
+
+def _failure(procs: list[Any], rank_dir: Path, cfg: DemoConfig) -> str:
+    """The report of a failed launch ("" if every rank finished with its records): the
+    traceback of the rank whose error was written first (its peers' errors come after:
+    they fail on its closed connections), else the log of a rank that died without one."""
+    errors = sorted(rank_dir.glob("rank*.error.txt"), key=lambda p: p.stat().st_mtime)
+    unfinished = [
+        r
+        for r, p in enumerate(procs)
+        if p.exitcode != 0 or not (rank_dir / f"rank{r}.result.pkl").exists()
+    ]
+    if not errors and not unfinished:
+        return ""
+    label = f"ess-patch demo (dp={cfg.dp} cp={cfg.cp} pp={cfg.pp}) failed; logs in {rank_dir}"
+    if errors:
+        rank = errors[0].name.removeprefix("rank").removesuffix(".error.txt")
+        return f"{label}\n--- rank {rank} failed first ---\n{errors[0].read_text()}"
+    r = unfinished[0]
+    try:
+        log = (rank_dir / f"rank{r}.log").read_text(errors="replace")
+    except OSError:  # it died before its entry point: the forkserver's stderr has the reason
+        log = "(no log: it died before the demo's entry point; see this process's stderr)"
+    tail = "\n".join(log.splitlines()[-_LOG_TAIL_LINES:])
+    return (
+        f"{label}\n--- rank {r} exited with code {procs[r].exitcode} and no records "
+        f"(killed, or it died without a Python exception); log tail ---\n{tail}"
+    )

@@ -1,13 +1,13 @@
 """Start local gloo ranks with real Megatron ``parallel_state`` and collect what they return.
 
-One launcher for everything in this repository that needs several real processes: the demo
-(:mod:`ess_patch.demo.launch`), the tests (``tests/harness.py``) and the benchmarks. It is
-CLI-layer code: nothing in the library core imports it.
+The tests' launcher (used through ``tests/harness.py``; the collectives benchmark imports it
+too). It is not part of the package: the demo has a small launcher of its own
+(:mod:`ess_patch.demo.launch`).
 
 ``launch_ranks(fn, dp=, cp=, pp=)`` starts ``dp*cp*pp`` fresh processes. Each one joins a gloo
 world through a ``FileStore`` in a private run directory, calls the real
 ``megatron.core.parallel_state.initialize_model_parallel`` (TP=1), runs
-``fn(*args, *inherit, **kwargs)`` and writes its return value (``torch.save``) or its
+``fn(*args, **kwargs)`` and writes its return value (``torch.save``) or its
 traceback (JSON) to a per-rank file. The parent joins (with an optional overall bound) and
 returns the results in global-rank order, or raises :class:`RankFailure` naming the
 root-cause rank, its (dp, cp, pp) coordinates and its own traceback, preferring a rank whose
@@ -21,16 +21,15 @@ state). A forkserver with ``torch`` and ``megatron.core.parallel_state`` preload
 children in milliseconds. Measured on 2 cores: the first launch of a process ~3 s (it starts
 the forkserver and imports torch + megatron.core once); later launches ~0.3 s for 2 ranks and
 ~1.4 s for 8 ranks (gloo meshes and Megatron's subgroups). The forkserver is shared by every
-launch of the process, so only the first launch's ``preload`` counts.
+launch of the process.
 
 Children get the parent's ``sys.path`` and working directory (multiprocessing's preparation
 data), so ``fn`` must be a module-level function of a module importable from ``sys.path``.
 ``launch_ranks`` checks this up front; lambdas, closures and ``__main__`` functions are refused
 with a clear error. ``args``/``kwargs`` and results travel through ``torch.save`` files in the
-run directory (tensors are fine, process groups are not: return plain data); ``inherit``
-travels as process arguments (for what files cannot carry, e.g. a ``multiprocessing`` queue
-from :func:`context`). Each rank's stdout/stderr goes to ``rank<r>.log`` in the run directory;
-the tail of a failed rank's log is part of the report.
+run directory (tensors are fine, process groups are not: return plain data). Each rank's
+stdout/stderr goes to ``rank<r>.log`` in the run directory; the tail of a failed rank's log
+is part of the report.
 
 Gloo timeouts: a rank that raises exits at once (``os._exit``), so peers blocked in a collective
 with it get ``Connection closed by peer`` within milliseconds. The gloo timeout
@@ -48,7 +47,6 @@ import faulthandler
 import importlib
 import importlib.machinery
 import json
-import logging
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -57,7 +55,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -65,7 +63,6 @@ from typing import Any
 __all__ = [
     "RankFailure",
     "RankLayout",
-    "context",
     "launch_ranks",
     "layout",
     "rank_coords",
@@ -209,8 +206,6 @@ def _rank_main(
     target: tuple[str, str],
     collective_timeout: float,
     gloo_groups: bool,
-    log_level: int | None,
-    inherit: tuple[Any, ...],
 ) -> None:
     """Entry point of one rank (runs in a forkserver child)."""
     d = Path(directory)
@@ -226,12 +221,6 @@ def _rank_main(
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ[_ENV_RUN_DIR] = directory
-    if log_level is not None:
-        logging.basicConfig(
-            level=log_level,
-            format=f"%(asctime)s rank{rank} %(name)s %(levelname)s: %(message)s",
-            force=True,
-        )
 
     import torch
     import torch.distributed as dist
@@ -252,7 +241,7 @@ def _rank_main(
             distributed_timeout_minutes=collective_timeout / 60.0,
             create_gloo_process_groups=gloo_groups,
         )
-        result = fn(*args, *inherit, **kwargs)
+        result = fn(*args, **kwargs)
         buf = d / f"rank{rank}.result.pt"
         torch.save(result, buf.with_name(buf.name + ".tmp"))
         os.replace(buf.with_name(buf.name + ".tmp"), buf)
@@ -339,17 +328,17 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def context(preload: Sequence[str] = PRELOAD) -> Any:
+def _context() -> Any:
     """The forkserver context, with the server running (started once per process).
 
     The server, and so every rank, inherits the environment it was started with: one thread
     per rank (a few cores are shared by all ranks) and no megatron "no Transformer Engine"
-    warnings. ``preload`` only counts for the launch that starts the server.
+    warnings.
     """
     ctx = multiprocessing.get_context("forkserver")
     from multiprocessing import forkserver
 
-    ctx.set_forkserver_preload(list(preload))  # no effect once the server runs
+    ctx.set_forkserver_preload(list(PRELOAD))  # no effect once the server runs
     warnings = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), _QUIET_WARNINGS]))
     with _env(OMP_NUM_THREADS="1", PYTHONWARNINGS=warnings):
         forkserver.ensure_running()
@@ -460,18 +449,13 @@ def launch_ranks(
     pp: int = 1,
     args: tuple[Any, ...] = (),
     kwargs: dict[str, Any] | None = None,
-    inherit: tuple[Any, ...] = (),
     directory: Path | str | None = None,
     timeout: float | None = 60.0,
     collective_timeout: float | None = None,
     fail_grace: float = FAIL_GRACE_S,
     gloo_groups: bool = False,
-    preload: Sequence[str] = PRELOAD,
-    log_level: int | None = None,
-    poll: Callable[[], None] | None = None,
-    label: str | None = None,
 ) -> list[Any]:
-    """Run ``fn(*args, *inherit, **kwargs)`` on ``dp*cp*pp`` fresh gloo ranks (TP=1).
+    """Run ``fn(*args, **kwargs)`` on ``dp*cp*pp`` fresh gloo ranks (TP=1).
 
     Returns each rank's return value, in global-rank order. Raises :class:`RankFailure` if
     any rank raised, died, or was still running ``timeout`` seconds after the launch (None: no
@@ -482,10 +466,7 @@ def launch_ranks(
     removed afterwards. ``collective_timeout``: gloo timeout in seconds (default
     ``timeout / 2``, or 300 s without a bound). ``gloo_groups``: forwarded as Megatron's
     ``create_gloo_process_groups`` (off: the world is gloo already, the duplicates only slow
-    the launch). ``log_level``: configure ``logging`` in each rank (to its log file).
-    ``poll``: called in this process at least every 0.2 s while the ranks run and once after
-    (e.g. to drain a progress queue passed in ``inherit``). ``label``: how the report names
-    the run (default ``run_ranks(<fn>, dp=, cp=, pp=)``).
+    the launch).
     """
     for name, size in (("dp", dp), ("cp", cp), ("pp", pp)):
         if not isinstance(size, int) or size < 1:
@@ -494,8 +475,7 @@ def launch_ranks(
     world = dp * cp * pp
     if collective_timeout is None:
         collective_timeout = 300.0 if timeout is None else max(timeout / 2.0, 1.0)
-    if label is None:
-        label = f"run_ranks({'.'.join(target)}, dp={dp}, cp={cp}, pp={pp})"
+    label = f"run_ranks({'.'.join(target)}, dp={dp}, cp={cp}, pp={pp})"
 
     import torch
 
@@ -507,7 +487,7 @@ def launch_ranks(
             d.mkdir(parents=True, exist_ok=True)
         torch.save((tuple(args), dict(kwargs or {})), d / "args.pt")
 
-        ctx = context(preload)
+        ctx = _context()
         start = time.monotonic()
         procs = [
             ctx.Process(
@@ -521,8 +501,6 @@ def launch_ranks(
                     target,
                     collective_timeout,
                     gloo_groups,
-                    log_level,
-                    tuple(inherit),
                 ),
                 name=f"rank{r}",
                 # Not daemonic: rank code may start its own worker processes (torch.compile
@@ -535,15 +513,13 @@ def launch_ranks(
         try:
             for p in procs:
                 p.start()
-            killed, timed_out = _join(procs, deadline, fail_grace, poll)
+            killed, timed_out = _join(procs, deadline, fail_grace)
         finally:
             for p in procs:
                 if p.is_alive():
                     p.kill()
             for p in procs:
                 p.join(5.0)
-        if poll is not None:
-            poll()
         elapsed = time.monotonic() - start
         with contextlib.suppress(OSError):
             (d / "store").unlink()
@@ -581,7 +557,6 @@ def _join(
     procs: list[Any],
     deadline: float | None,
     fail_grace: float,
-    poll: Callable[[], None] | None,
 ) -> tuple[list[int], bool]:
     """Wait for all ranks; returns ``(killed ranks, whether the overall bound ran out)``.
 
@@ -599,11 +574,7 @@ def _join(
         if limit is not None and now >= limit:
             break
         wait_s = None if limit is None else limit - now
-        if poll is not None:
-            wait_s = 0.2 if wait_s is None else min(wait_s, 0.2)
         ready = multiprocessing.connection.wait(list(alive), timeout=wait_s)
-        if poll is not None:
-            poll()
         for sentinel in ready:
             r = alive.pop(sentinel)
             procs[r].join()
