@@ -183,7 +183,8 @@ def trajectory_stats(
     cannot overflow it). Masked-out tokens are ignored even when NaN.
 
     The work is a fixed sequence of torch operations over the concatenated tokens (its
-    length does not depend on B: one kernel launch each on a GPU), with two segment sums.
+    length does not depend on B: one kernel launch each on a GPU), with one segment sum
+    for the differences and the counts together.
     The per-trajectory lengths reach a CUDA device from pinned memory without a host
     synchronisation; floating-point masks cost one (their NaN check), integer and bool
     masks none.
@@ -231,7 +232,7 @@ def _stats(
     work = torch.empty((lp.shape[0], 2), dtype=_ACC, device=lp.device)
     diff, count = work.unbind(1)
     diff.copy_(lp)  # widened: float64 differences are exact for fp32/bf16/fp16 inputs
-    count.copy_(rlp)
+    count.copy_(rlp)  # the counts' column holds the widened rollout log-probs meanwhile
     diff.sub_(count)  # same dtypes: a mixed-dtype subtraction is ~10x slower on CPU
     diff.masked_fill_(~keep, 0.0)  # masked-out d_t -> 0, NaN included
     count.copy_(keep)
