@@ -745,3 +745,25 @@ def test_the_counters_see_a_sync_and_count_ops_per_trajectory():
     batch = _benchmark_batch(8, torch.float32, torch.int32)
     ops, syncs = _dispatched(lambda: [float((x - y).sum()) for x, y, _ in zip(*batch)])
     assert ops == 8 * 3 and syncs == ["_local_scalar_dense"] * 8
+
+
+@pytest.mark.slow  # the first meta op imports torch's meta kernels (~5 s under load)
+@pytest.mark.parametrize("mask_dtype", [torch.int32, torch.bool])
+def test_every_step_before_finalize_runs_on_a_device_without_data(mask_dtype):
+    # "meta" tensors have no data: any host read (.item(), bool(), .tolist(), a blocking
+    # copy of the lengths) raises there. trajectory_stats, summarize and combine run through;
+    # finalize is where the one read happens.
+    batch = [
+        [torch.zeros(n, dtype=torch.bfloat16, device="meta") for n in (5, 0, 300)],
+        [torch.zeros(n, device="meta") for n in (5, 0, 300)],
+        [torch.ones(n, dtype=mask_dtype, device="meta") for n in (5, 0, 300)],
+    ]
+    config = EssLrConfig()
+    stats = estimator.trajectory_stats(*batch)
+    assert stats.shape == (3, 3) and stats.device.type == "meta" and stats.dtype == torch.float64
+    summary = estimator.summarize(stats, config, rank=1, flags=estimator.Flags(missing=True))
+    assert summary.shape == (estimator.SUMMARY_SIZE,) and summary.device.type == "meta"
+    merged = estimator.combine(torch.stack([summary, summary]))
+    assert merged.shape == (estimator.SUMMARY_SIZE,) and merged.device.type == "meta"
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        estimator.finalize(merged, config)
