@@ -238,7 +238,8 @@ def test_every_fault_reaches_every_rank(tmp_path, dp, cp, pp):
                 continue
             if _no_fault(fault, faulty, lay):
                 assert {r[case][:2] for r in results} == {(None, "ok")}, [r[case] for r in results]
-                assert {r[case][6] for r in results} == {healthy_scale}, case
+                if not _is_last_stage(faulty, lay):  # its inputs are not used
+                    assert {r[case][6] for r in results} == {healthy_scale}, case
                 continue
             for rank, r in enumerate(results):
                 kind, message, elapsed, armed = r[case][:4]
