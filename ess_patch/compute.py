@@ -174,9 +174,7 @@ def _across_stages(
             _check_unused_inputs(inputs, config, dp_group, prepare_masks)  # type: ignore[arg-type]
         except Exception as exc:
             error = exc
-    rows = all_gather_rows(
-        envelope(failed=error is not None, config=config), pp_group, "PP"
-    )
+    rows = all_gather_rows(envelope(failed=error is not None, config=config), pp_group, "PP")
     stage_fault = None if error is not None else check_envelopes(rows, "PP")
     result: EssLrResult | None = None
     if is_last:

@@ -166,7 +166,7 @@ def _is_last_stage(rank: int, lay: tuple[int, int, int]) -> bool:
 
 def _no_fault(fault: str, faulty: int, lay: tuple[int, int, int]) -> bool:
     """Faults that are valid input where they are injected: every rank gets the result."""
-    dp, cp, pp = lay
+    cp = lay[1]
     if fault in ("count", "index") and cp == 1:
         return True  # without CP: valid input (fewer samples), or no mask slicing at all
     # a non-last stage's inputs are not used: fewer samples, or none at all, are no fault

@@ -91,7 +91,7 @@ def test_install_racing_uninstall_ends_in_one_of_the_two_states(clean_ess, fast_
         order = iter(calls[i % 2 :] + calls[: i % 2])
         lock = threading.Lock()
 
-        def next_call():
+        def next_call(order=order, lock=lock):
             with lock:
                 call = next(order)
             call()

@@ -172,7 +172,9 @@ def test_one_call_on_every_rank_every_fault_everywhere(tmp_path, dp, cp, pp):
     low = [r["lowlevel"] for r in results]
     for rank, (kind, message, elapsed) in enumerate(low):
         expected = (
-            {"NonFiniteLogProbError"} if _is_last(rank, dp, cp, pp) else {"NonFiniteLogProbError", "InvalidInputsElsewhereError"}
+            {"NonFiniteLogProbError"}
+            if _is_last(rank, dp, cp, pp)
+            else {"NonFiniteLogProbError", "InvalidInputsElsewhereError"}
         )
         assert kind in expected, (rank, kind, message)
         assert elapsed < COLLECTIVE_TIMEOUT / 4, (rank, elapsed)
