@@ -4,8 +4,9 @@ Public surface (see README.md)::
 
     import ess_patch
     ess_patch.install()                     # patch Megatron optimizers (and miles/slime)
+    # on every rank; non-last pipeline stages pass None for the log-probs and masks
     result = ess_patch.compute_ess_lr(log_probs, rollout_log_probs, loss_masks,
-                                      cp_group=cp, dp_group=dp)
+                                      cp_group=cp, dp_group=dp, pp_group=pp)
     ess_patch.arm(result)                   # every optimizer step of this rollout uses it
 """
 

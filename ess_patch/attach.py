@@ -27,7 +27,9 @@ def attach(optimizer: Any) -> Any:
     ``param_groups``. A ``torch.optim.Optimizer`` gets torch's own step pre/post hooks, so
     LR schedulers that re-wrap ``step`` (created before or after) keep working and
     :func:`detach` removes only ours; other objects (Megatron's optimizers) get ``step``
-    wrapped on the instance.
+    wrapped on the instance. When ``step(closure)`` raises in the closure, the LRs are back
+    before the error leaves ``step`` (torch runs no post-step hook then); a raise elsewhere
+    in a torch optimizer's step is undone by the next ``step()`` or ``state_dict()``.
 
     Raises:
         TypeError: the object has no callable ``step`` or no ``param_groups``.
@@ -43,6 +45,9 @@ def attach(optimizer: Any) -> Any:
         handles = (
             optimizer.register_step_pre_hook(_pre_step),
             optimizer.register_step_post_hook(_post_step),
+            # a step that raised outside its closure skipped the post-hook: a checkpoint
+            # taken before the next step must not save the scaled LR
+            optimizer.register_state_dict_pre_hook(_restore_pending),
         )
         setattr(optimizer, _HOOKS, handles)
         note_applier()
@@ -96,17 +101,43 @@ def _restore_pending(optimizer: Any) -> None:
         pending.__exit__(None, None, None)
 
 
-def _pre_step(optimizer: Any, _args: tuple, _kwargs: dict) -> None:
+def _pre_step(optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     # A step that raised skipped its post-hook: put its LRs back before anything else.
     _restore_pending(optimizer)
     if STATE.armed is None:
-        return
+        return None
     scale = begin_step(optimizer)
     if scale is None or scale == 1.0:
-        return
+        return None
     block = scaled_lr(optimizer, scale)
     block.__enter__()
     setattr(optimizer, _PENDING, block)
+    return _guard_closure(optimizer, args, kwargs)
+
+
+def _guard_closure(optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """The step's arguments with its closure (if any) wrapped so that a raise in it restores
+    the LRs at once: torch skips the post-step hooks when ``step`` raises, and a scheduler,
+    ``state_dict()`` or checkpoint taken then would keep the scaled LR for good.
+
+    ``args`` starts with the optimizer itself (torch's hook wrapper passes it so).
+    """
+    if "closure" in kwargs and callable(kwargs["closure"]):
+        return args, {**kwargs, "closure": _guarded(optimizer, kwargs["closure"])}
+    if len(args) > 1 and callable(args[1]):
+        return (args[0], _guarded(optimizer, args[1]), *args[2:]), kwargs
+    return None
+
+
+def _guarded(optimizer: Any, closure: Any) -> Any:
+    def closure_restoring_lr_on_error(*a: Any, **k: Any) -> Any:
+        try:
+            return closure(*a, **k)
+        except BaseException:
+            _restore_pending(optimizer)
+            raise
+
+    return closure_restoring_lr_on_error
 
 
 def _post_step(optimizer: Any, _args: tuple, _kwargs: dict) -> None:

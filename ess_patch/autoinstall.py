@@ -40,7 +40,9 @@ def run() -> bool:
     Idempotent: ``site`` reads a virtualenv's site-packages twice, so the ``.pth`` line can
     run twice in one process; the second call does nothing and says nothing. A failure is
     logged once: a bad ``ESS_LR_*`` value as one line naming it, anything else with its
-    traceback. Returns whether ess-patch is installed afterwards.
+    traceback. Returns whether ess-patch is installed afterwards. After a failure,
+    :func:`ess_patch.arm` in this process raises an error that says the auto-install failed
+    and why (where ESS-LR is used), while processes that never use ESS-LR run on.
     """
     from .install import INSTALLATION, install, is_installed
 
@@ -55,11 +57,13 @@ def run() -> bool:
         install(wanted or None)
     except ValueError as exc:  # a setting the user gave (ESS_LR_FLOOR=5, an unknown name)
         INSTALLATION.autoinstall = f"failed: {exc}"
+        INSTALLATION.autoinstall_error = exc  # arm() in this process raises it, named
         logger.error(
             "ess-patch: %s=%r was set but not installed in this process: %s", ENV, raw, exc
         )
     except Exception as exc:  # a broken start-up must say so loudly, not kill every process
         INSTALLATION.autoinstall = f"failed: {type(exc).__name__}: {exc}"
+        INSTALLATION.autoinstall_error = exc
         logger.exception("ess-patch: %s=%r was set but install() failed", ENV, raw)
     else:
         INSTALLATION.autoinstall = "installed"

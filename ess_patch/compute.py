@@ -10,6 +10,7 @@ import torch.distributed as dist
 from . import estimator
 from .config import EssLrConfig
 from .reduction import (
+    ENVELOPE_SIZE,
     all_gather_rows,
     all_reduce_trajectory_stats,
     any_missing,
@@ -18,8 +19,9 @@ from .reduction import (
     envelope,
     exchange_envelopes,
     group_size,
+    origin_rank,
 )
-from .result import EssLrResult
+from .result import ENCODED_SIZE, EssLrResult
 
 __all__ = ["compute_ess_lr", "compute_ess_lr_steps"]
 
@@ -33,9 +35,22 @@ def compute_ess_lr(
     config: EssLrConfig | None = None,
     cp_group: object | None = None,
     dp_group: object | None = None,
+    pp_group: object | None = None,
     prepare_masks: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] | None = None,
 ) -> EssLrResult:
     """ESS, rho and LR scale of one rollout, identical on every rank.
+
+    With ``pp_group`` this is the one call per rollout on *every* rank (all pipeline
+    stages): the last stage computes, every stage returns its result, and a fault on any
+    rank of the DP x CP x PP world (a non-last stage included) is raised on every rank::
+
+        result = ess_patch.compute_ess_lr(
+            log_probs if is_last_stage else None,  # non-last stages pass None
+            rollout_log_probs if is_last_stage else None,
+            loss_masks,
+            cp_group=cp_group, dp_group=dp_group, pp_group=pp_group,
+        )
+        ess_patch.arm(result)
 
     Args:
         log_probs: per trajectory, this rank's train-side log-probs of the response
@@ -48,6 +63,11 @@ def compute_ess_lr(
             all-reduce of the trajectory table).
         dp_group: data-parallel group (without CP) whose ranks hold *other* trajectories
             (one all-gather when its size > 1).
+        pp_group: pipeline-parallel group (when its size > 1: two small all-gathers, one
+            before the last stage reduces over CP and DP, one that carries its result). Only
+            the last stage's inputs are used; a non-last stage passes None, or inputs that
+            are then checked as on the last stage (a bad one is a fault like any other) and
+            otherwise ignored.
         prepare_masks: applied to ``loss_masks`` first, under the same error handling as
             the validation (e.g. slicing full-length masks to this CP rank's tokens).
 
@@ -70,19 +90,135 @@ def compute_ess_lr(
         ConfigMismatchError: on every rank, when the ranks' ``config`` differ.
         estimator.NonFiniteLogProbError: a NaN/inf log-ratio with ``nonfinite="raise"``,
             raised on every rank alike, naming the data-parallel rank and the sample index.
+        TypeError: ``config`` is not an EssLrConfig (on that rank; its peers raise
+            InvalidInputsElsewhereError).
+
+    Without ``pp_group``, only the ranks of one pipeline stage meet here: the README's
+    lower-level pattern (the last stage calls this, every stage then calls
+    :func:`~ess_patch.reduction.broadcast_from_last_stage` with ``error=`` what this raised)
+    covers faults of the last stage only; prefer ``pp_group``.
     """
-    config = _check_config(config)
-    summaries = _reduce(
-        log_probs,
-        rollout_log_probs,
-        loss_masks,
-        None,
+    config, error = _checked_config(config)
+    if pp_group is not None:
+        return _across_stages(
+            (log_probs, rollout_log_probs, loss_masks),
+            config=config,
+            error=error,
+            cp_group=cp_group,
+            dp_group=dp_group,
+            pp_group=pp_group,
+            prepare_masks=prepare_masks,
+        )
+    return _rollout_result(
+        (log_probs, rollout_log_probs, loss_masks),
         config=config,
+        error=error,
         cp_group=cp_group,
         dp_group=dp_group,
         prepare_masks=prepare_masks,
     )
+
+
+_Inputs = tuple[
+    Sequence[torch.Tensor] | None, Sequence[torch.Tensor] | None, Sequence[torch.Tensor] | None
+]
+
+
+def _rollout_result(
+    inputs: _Inputs,
+    *,
+    config: EssLrConfig | None,
+    error: BaseException | None,
+    cp_group: object | None,
+    dp_group: object | None,
+    prepare_masks: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] | None,
+) -> EssLrResult:
+    """One stage's rollout result over its CP and DP groups (``error``: a fault this rank
+    already has; it still joins every collective, flagged)."""
+    summaries = _reduce(
+        *inputs,
+        None,
+        config=config,  # type: ignore[arg-type]  # None only with an error: never read
+        cp_group=cp_group,
+        dp_group=dp_group,
+        prepare_masks=prepare_masks,
+        error=error,
+    )
+    assert config is not None
     return estimator.finalize(estimator.combine(summaries[:, 0]), config)
+
+
+def _across_stages(
+    inputs: _Inputs,
+    *,
+    config: EssLrConfig | None,
+    error: BaseException | None,
+    cp_group: object | None,
+    dp_group: object | None,
+    pp_group: object,
+    prepare_masks: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] | None,
+) -> EssLrResult:
+    """:func:`compute_ess_lr` on every pipeline stage.
+
+    Why two PP exchanges: a fault on a non-last stage must reach its last stage *before*
+    that stage reduces over CP and DP, so that it travels on, flagged, to every other rank
+    of the last stage; the second exchange then brings the outcome back to every stage.
+    """
+    options = {"cp_group": cp_group, "dp_group": dp_group, "prepare_masks": prepare_masks}
+    pp_size = group_size(pp_group, "PP")
+    if pp_size <= 1:
+        return _rollout_result(inputs, config=config, error=error, **options)
+    is_last = dist.get_rank(pp_group) == pp_size - 1
+    if not is_last and error is None:
+        try:
+            _check_unused_inputs(inputs, config, dp_group, prepare_masks)  # type: ignore[arg-type]
+        except Exception as exc:
+            error = exc
+    rows = all_gather_rows(envelope(failed=error is not None, config=config), pp_group, "PP")
+    stage_fault = None if error is not None else check_envelopes(rows, "PP")
+    result: EssLrResult | None = None
+    if is_last:
+        try:
+            result = _rollout_result(inputs, config=config, error=error or stage_fault, **options)
+        except Exception as exc:
+            error = exc
+    failed = error is not None or stage_fault is not None
+    payload = torch.zeros(ENCODED_SIZE, dtype=torch.float64)
+    if result is not None:
+        payload = torch.tensor(result.encode(), dtype=torch.float64)
+    own = error if error is not None else stage_fault
+    row = envelope(failed=failed, config=config, origin=None if own is None else origin_rank(own))
+    rows = all_gather_rows(torch.cat([row, payload]), pp_group, "PP")
+    if error is not None:
+        raise error
+    if stage_fault is not None:
+        raise stage_fault
+    fault = check_envelopes(rows[:, :ENVELOPE_SIZE], "PP")
+    if fault is not None:
+        raise fault
+    if result is not None:
+        return result
+    return EssLrResult.decode(rows[-1, ENVELOPE_SIZE:].tolist())
+
+
+def _check_unused_inputs(
+    inputs: _Inputs,
+    config: EssLrConfig,
+    dp_group: object | None,
+    prepare_masks: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] | None,
+) -> None:
+    """A non-last stage's inputs, when it passes both log-probs: checked as the last stage
+    checks its own (types, shapes, mask slicing, non-finite values), then dropped."""
+    log_probs, rollout_log_probs, loss_masks = inputs
+    if log_probs is None or rollout_log_probs is None:
+        return  # the usual case: only the last stage has log-probs
+    if prepare_masks is not None and loss_masks is not None:
+        loss_masks = prepare_masks(loss_masks)
+    if loss_masks is None:
+        raise ValueError("loss_masks is None but log-probs were given; pass the masks too")
+    stats = estimator.trajectory_stats(log_probs, rollout_log_probs, loss_masks)
+    dp_rank = dist.get_rank(dp_group) if group_size(dp_group, "DP") > 1 else 0
+    estimator.finalize(estimator.summarize(stats, config, rank=dp_rank), config)
 
 
 @torch.no_grad()
@@ -141,17 +277,23 @@ def _reduce(
     cp_group: object | None,
     dp_group: object | None,
     prepare_masks: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] | None,
+    error: BaseException | None = None,
 ) -> torch.Tensor:
     """Every DP rank's summary rows, ``[DP, S, SUMMARY_SIZE]`` (S = 1 when ``steps`` is None:
-    all trajectories), or the error every rank must raise."""
+    all trajectories), or the error every rank must raise. ``error``: a fault this rank
+    already has (raised at once in a single process; else it joins every collective flagged,
+    naming the rank it came from, then re-raises it)."""
     cp_size = group_size(cp_group, "CP")
     dp_size = group_size(dp_group, "DP")
     distributed = cp_size > 1 or dp_size > 1
     missing = log_probs is None or rollout_log_probs is None
-    error: BaseException | None = None
+    if error is not None and not distributed:
+        raise error
     stats: torch.Tensor | None = None
     step_lists: list[list[int]] | None = None
     try:
+        if error is not None:
+            raise error
         if prepare_masks is not None and loss_masks is not None:
             loss_masks = prepare_masks(loss_masks)
         if missing:
@@ -167,11 +309,13 @@ def _reduce(
         if not distributed:
             raise
         error = exc  # still enter every collective, so that the peers fail with us
+    origin = None if error is None else origin_rank(error)
     fault: Exception | None = None
     if cp_size > 1:
         envelopes = exchange_envelopes(
             envelope(
                 failed=error is not None,
+                origin=origin,
                 missing=missing,
                 rows=-1 if stats is None else stats.shape[0],
                 config=config,
@@ -185,6 +329,8 @@ def _reduce(
             stats = all_reduce_trajectory_stats(stats, cp_group)
             missing = any_missing(envelopes)
     failed = error is not None or fault is not None
+    if fault is not None and error is None:
+        origin = origin_rank(fault)  # a CP peer's fault: DP peers learn whose it was
     # The data-parallel rank names the culprit identically on every CP peer of the batch.
     dp_rank = dist.get_rank(dp_group) if dp_size > 1 else 0
     if steps is not None and dp_size > 1:
@@ -218,7 +364,9 @@ def _reduce(
         if summary is not None:
             local = summary[0]
         rows = all_gather_rows(
-            torch.cat([local, envelope(failed=failed, config=config).to(local.device)]),
+            torch.cat(
+                [local, envelope(failed=failed, config=config, origin=origin).to(local.device)]
+            ),
             dp_group,
             "DP",
         )
@@ -238,6 +386,14 @@ def _reduce(
 
 
 _DEFAULT_CONFIG = EssLrConfig()  # frozen: built once, not at every call (~10 us of checks)
+
+
+def _checked_config(config: object) -> tuple[EssLrConfig | None, BaseException | None]:
+    """The config, or the TypeError to raise once this rank has joined its peers."""
+    try:
+        return _check_config(config), None
+    except TypeError as exc:
+        return None, exc
 
 
 def _check_config(config: object) -> EssLrConfig:

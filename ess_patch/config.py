@@ -114,15 +114,45 @@ class EssLrConfig:
         """Build a config from ``ESS_LR_FLOOR``, ``ESS_LR_WEIGHT_MODE``, ``ESS_LR_RULE``,
         ``ESS_LR_BASE_RATIO``, ``ESS_LR_NONFINITE``, ``ESS_LR_SHADOW`` (1/0/true/false),
         ``ESS_LR_GRANULARITY``, ``ESS_LR_WEIGHT_CLIP`` (a number, or ``none``); explicit
-        ``overrides`` win."""
+        ``overrides`` win.
+
+        Raises:
+            ValueError: a variable holds a value its field does not take; the message names
+                the variable, its value and the allowed values (checked one variable at a
+                time, so the first bad one is named, not the field behind it).
+        """
         env = os.environ if environ is None else environ
         values: dict[str, object] = {}
         for f in fields(cls):
-            raw = env.get(_ENV_PREFIX + f.name.upper())
+            variable = _ENV_PREFIX + f.name.upper()
+            raw = env.get(variable)
             if raw is not None and raw != "":
+                try:
+                    cls(**{f.name: raw})  # type: ignore[arg-type]
+                except (TypeError, ValueError) as exc:
+                    raise ValueError(_bad_variable(variable, f.name, raw, exc)) from None
                 values[f.name] = raw
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
+
+
+#: What each ``ESS_LR_*`` variable takes, for the error that names a bad one.
+_ALLOWED = {
+    "floor": "a number in (0, 1], the smallest fraction of the scheduled LR (e.g. 0.1)",
+    "base_ratio": "a finite number > 0 (e.g. 1.0)",
+    "shadow": "1, 0, true or false",
+    "weight_clip": "a finite number > 0, or none (no clipping)",
+    **{name: ", ".join(choices) for name, choices in _CHOICES.items()},
+}
+
+
+def _bad_variable(variable: str, name: str, raw: str, error: Exception) -> str:
+    allowed = _ALLOWED.get(name)
+    return (
+        f"{variable}={raw!r} is not a valid ESS-LR setting"
+        + (f"; allowed: {allowed}" if allowed else "")
+        + f" ({error}). Fix or unset {variable}"
+    )
 
 
 def _as_float(name: str, value: object) -> float:

@@ -12,6 +12,7 @@ import importlib.metadata
 import logging
 import os
 import sys
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -57,6 +58,13 @@ class _Installation:
     autoinstall: str | None = None
     # integrations rolled back after a late import lacked a symbol: name -> reason
     failures: dict[str, str] = field(default_factory=dict)
+    # the auto-install's exception, for arm()'s report (state.py) and the doctor
+    autoinstall_error: BaseException | None = None
+    # install / uninstall / the post-import hook: one at a time, so that two threads never
+    # both install (one record lost while its wraps stay) or uninstall half of a record.
+    # Re-entrant: install() calls uninstall() on failure, and an import inside install()
+    # can fire the post-import hook on the same thread.
+    lock: threading.RLock = field(default_factory=threading.RLock)
 
 
 INSTALLATION = _Installation()
@@ -88,6 +96,11 @@ def install(
     import goes on, and the reason is logged and kept for :func:`failed_integrations` and
     ``ess-patch doctor``. The other integrations stay installed.
     """
+    with INSTALLATION.lock:
+        _install(integrations, config)
+
+
+def _install(integrations: Iterable[str] | str | None, config: EssLrConfig | None) -> None:
     if INSTALLATION.patches is not None:
         logger.warning(
             "ess-patch is already installed (%s); call uninstall() first to change "
@@ -115,7 +128,13 @@ def install(
 
 
 def uninstall() -> None:
-    """Put every patched attribute back exactly (identity) and disarm. Safe to call twice."""
+    """Put every patched attribute back exactly (identity) and disarm. Safe to call twice,
+    and from any thread (install and uninstall run one at a time)."""
+    with INSTALLATION.lock:
+        _uninstall()
+
+
+def _uninstall() -> None:
     if INSTALLATION.patches is None:
         logger.warning("ess-patch is not installed; nothing to uninstall")
         return
@@ -137,9 +156,10 @@ def is_installed() -> bool:
 
 def installed_targets() -> list[str]:
     """Dotted paths of the attributes wrapped so far (grows as libraries get imported)."""
-    if INSTALLATION.patches is None:
-        return []
-    return [p.target.path for patches in INSTALLATION.patches.values() for p in patches]
+    with INSTALLATION.lock:
+        if INSTALLATION.patches is None:
+            return []
+        return [p.target.path for patches in INSTALLATION.patches.values() for p in patches]
 
 
 def failed_integrations() -> dict[str, str]:
@@ -205,16 +225,17 @@ def _on_import(module: ModuleType) -> None:
     Runs inside the host's ``import``: it never raises. An integration that cannot wrap this
     module is rolled back (see :func:`_roll_back`); the others go on.
     """
-    # wrapt drops a post-import hook once it has fired: a module imported again (after an
-    # import that raised) needs a new one from the next install()
-    INSTALLATION.hooks_registered.discard(module.__name__)
-    if INSTALLATION.patches is None:  # hook left over from an uninstalled install
-        return
-    for name in list(INSTALLATION.patches):
-        try:
-            _wrap(name, module)
-        except Exception as exc:  # the host's import must not fail because of ess-patch
-            _roll_back(name, exc)
+    with INSTALLATION.lock:
+        # wrapt drops a post-import hook once it has fired: a module imported again (after
+        # an import that raised) needs a new one from the next install()
+        INSTALLATION.hooks_registered.discard(module.__name__)
+        if INSTALLATION.patches is None:  # hook left over from an uninstalled install
+            return
+        for name in list(INSTALLATION.patches):
+            try:
+                _wrap(name, module)
+            except Exception as exc:  # the host's import must not fail because of ess-patch
+                _roll_back(name, exc)
 
 
 def _wrap(name: str, module: ModuleType) -> None:

@@ -34,6 +34,7 @@ __all__ = [
     "exchange_envelopes",
     "gather_rows",
     "group_size",
+    "origin_rank",
 ]
 
 
@@ -114,14 +115,22 @@ ENVELOPE_SIZE = 5 + FINGERPRINT_SIZE
 
 
 def envelope(
-    *, failed: bool, missing: bool = False, rows: int = 0, config: EssLrConfig | None
+    *,
+    failed: bool,
+    missing: bool = False,
+    rows: int = 0,
+    config: EssLrConfig | None,
+    origin: int | None = None,
 ) -> torch.Tensor:
-    """This rank's envelope row (see :func:`check_envelopes`)."""
+    """This rank's envelope row (see :func:`check_envelopes`). ``origin``: with ``failed``,
+    the global rank the fault came from when this rank only relays it (default: this rank)."""
     out = torch.zeros(ENVELOPE_SIZE, dtype=torch.float64)
     out[_ERROR] = float(failed)
     out[_MISSING] = float(missing)
     out[_ROWS] = float(rows)
     out[_RANK] = float(dist.get_rank()) if dist.is_available() and dist.is_initialized() else 0.0
+    if failed and origin is not None:
+        out[_RANK] = float(origin)
     if config is not None:
         out[_HAS_CONFIG] = 1.0
         out[_HAS_CONFIG + 1 :] = torch.tensor(config.fingerprint(), dtype=torch.float64)
@@ -150,12 +159,15 @@ def check_envelopes(
     """
     rows = envelopes.tolist()
     ranks = [int(r[_RANK]) for r in rows]
-    failed = [rank for rank, r in zip(ranks, rows, strict=True) if r[_ERROR] > 0]
+    failed = list(dict.fromkeys(rank for rank, r in zip(ranks, rows, strict=True) if r[_ERROR] > 0))
     if failed:
-        return InvalidInputsElsewhereError(
-            f"ESS-LR failed on rank(s) {', '.join(map(str, failed))} of the {name} group; see "
-            "the error raised there. Every rank stops here rather than waiting in a collective"
+        error = InvalidInputsElsewhereError(
+            f"ESS-LR failed on rank(s) {', '.join(map(str, failed))} (reported through the "
+            f"{name} group); see the error raised there. Every rank stops here rather than "
+            "waiting in a collective"
         )
+        error.ranks = failed  # type: ignore[attr-defined]  # relayed by origin_rank()
+        return error
     configs = [(rank, r[_HAS_CONFIG + 1 :]) for rank, r in zip(ranks, rows, strict=True)]
     configs = [(rank, fp) for (rank, fp), r in zip(configs, rows, strict=True) if r[_HAS_CONFIG]]
     if len({tuple(fp) for _, fp in configs}) > 1:
@@ -180,6 +192,15 @@ def check_envelopes(
             "pass the same samples (each its own chunk of every sample)"
         )
     return None
+
+
+def origin_rank(error: BaseException) -> int:
+    """The global rank a fault came from: the first one an
+    :class:`InvalidInputsElsewhereError` from :func:`check_envelopes` names, else this rank."""
+    ranks = getattr(error, "ranks", None)
+    if isinstance(error, InvalidInputsElsewhereError) and ranks:
+        return int(ranks[0])
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _pp_stage(
@@ -213,10 +234,24 @@ def broadcast_from_last_stage(
 ) -> EssLrResult:
     """Give every pipeline stage the last stage's result (one all-gather when PP > 1).
 
+    The lower-level half of ``compute_ess_lr(..., pp_group=pp_group)`` (prefer that: one
+    call on every rank, and a fault on a non-last stage also reaches the other pipelines).
     Only the last stage has log-probs; the others pass None and receive its result. A stage
     that failed passes its exception as ``error``: it still joins, so that the others raise
     :class:`InvalidInputsElsewhereError` instead of waiting, and then re-raises it. With
-    ``config`` the stages also check that they run the same settings.
+    ``config`` the stages also check that they run the same settings. The error path is
+    not optional: without it a stage whose ``compute_ess_lr`` raised never joins, and the
+    other stages wait here until it exits::
+
+        result, error = None, None
+        if is_last_stage:
+            try:
+                result = ess_patch.compute_ess_lr(lp, rlp, masks, cp_group=cp, dp_group=dp)
+            except Exception as exc:
+                error = exc
+        result = ess_patch.broadcast_from_last_stage(result, pp_group, error=error)
+
+    A fault on a non-last stage passed here reaches only the stages of its own PP group.
 
     Raises:
         ValueError: the last stage (or a single-stage run) passed None without an error.
@@ -228,7 +263,8 @@ def broadcast_from_last_stage(
     payload = torch.zeros(ENCODED_SIZE, dtype=torch.float64)
     if is_last and error is None:
         payload = torch.tensor(result.encode(), dtype=torch.float64)  # type: ignore[union-attr]
-    row = torch.cat([envelope(failed=error is not None, config=config), payload])
+    origin = None if error is None else origin_rank(error)
+    row = torch.cat([envelope(failed=error is not None, config=config, origin=origin), payload])
     rows = all_gather_rows(row, pp_group, "PP")
     if error is not None:
         raise error

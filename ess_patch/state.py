@@ -7,6 +7,7 @@ back to a fresh process's state (for tests). What ``install()`` patched is ``ins
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Sequence
@@ -86,15 +87,21 @@ def arm(result_or_scale: EssLrResult | float) -> EssLrResult:
     """Arm a rollout's result (or a bare scale in (0, 1]) for the coming optimizer steps.
 
     It stays armed until the next ``arm`` or ``disarm``: every step of the rollout uses it.
+
+    Raises:
+        ValueError: a scale outside (0, 1]; or the auto-install (``ESS_PATCH_AUTO_INSTALL``)
+            failed on a bad setting in this process and nothing else applies the scale (the
+            message names the variable). RuntimeError: it failed for another reason.
+            Nothing is armed then.
     """
     if isinstance(result_or_scale, EssLrResult):
         check_scale(result_or_scale.scale)
         result = result_or_scale
     else:
         result = EssLrResult.from_scale(result_or_scale)
+    _check_something_applies()
     _drop_steps()
     STATE.armed = result
-    _warn_if_nothing_applies()
     logger.debug(
         "armed ESS-LR scale %.6g (rho %.6g, status %s)", result.scale, result.rho, result.status
     )
@@ -107,13 +114,16 @@ def note_applier() -> None:
     STATE.applied_elsewhere = True
 
 
-def _warn_if_nothing_applies() -> None:
+def _check_something_applies() -> None:
     # Nothing reads STATE.armed unless install() wrapped something, an optimizer was
     # attached, or a vendored tree decorated its optimizer steps: say so, once.
-    if STATE.warned_no_effect:
-        return
     # install() sets config and uninstall() clears it: config is set while install() is in effect
     if STATE.config is not None or STATE.applied_elsewhere:
+        return
+    failure = _autoinstall_failure()
+    if failure is not None:
+        raise failure
+    if STATE.warned_no_effect:
         return
     STATE.warned_no_effect = True
     logger.warning(
@@ -121,6 +131,22 @@ def _warn_if_nothing_applies() -> None:
         "called, no optimizer is attach()ed, no vendored optimizer step): optimizer steps use "
         "the scheduled LR unchanged. Call ess_patch.install() or ess_patch.attach(optimizer) "
         "first. (Said once per process.)"
+    )
+
+
+def _autoinstall_failure() -> Exception | None:
+    """The error for an ``arm()`` in a process whose auto-install failed, or None."""
+    # install.py imports this module, so its record is read where it lives, not imported
+    installation = getattr(sys.modules.get(f"{__package__}.install"), "INSTALLATION", None)
+    error = getattr(installation, "autoinstall_error", None)
+    if error is None:
+        return None
+    kind = ValueError if isinstance(error, ValueError) else RuntimeError
+    return kind(
+        "ess_patch.arm(): ESS-LR was requested in this process (ESS_PATCH_AUTO_INSTALL) but "
+        f"its auto-install failed at start-up: {type(error).__name__}: {error}. Nothing "
+        "applies the scale, so nothing was armed; fix that and restart the process (or call "
+        "ess_patch.install() / ess_patch.attach(optimizer) yourself)"
     )
 
 

@@ -237,3 +237,114 @@ def test_bad_settings_exit_2(run_dir, tmp_path, capsys):
 def test_analyze_raises_dump_error_for_an_empty_folder(tmp_path):
     with pytest.raises(DumpError, match=r"no \.pt dump files"):
         analyze([tmp_path], tmp_path / "out")
+
+
+# --- malformed but readable dumps: one line naming the file and the field, exit 1 -------------
+
+
+def _mutate(path: Path, change) -> None:
+    obj = torch.load(path, weights_only=True)
+    change(obj)
+    torch.save(obj, path)
+
+
+def _one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def _set(key, value):
+    return lambda obj: obj["rollout_data"][key].__setitem__(0, value)
+
+
+MALFORMED = {
+    "rollout_id_pair": (lambda o: o.__setitem__("rollout_id", [1, 2]), "'rollout_id'"),
+    "rollout_id_tensor_pair": (
+        lambda o: o.__setitem__("rollout_id", torch.tensor([1, 2])),
+        "'rollout_id'",
+    ),
+    "string_length": (_set("total_lengths", "12"), "sample 0: 'total_lengths'"),
+    "none_length": (_set("response_lengths", None), "sample 0: 'response_lengths'"),
+    "float_length": (_set("response_lengths", 3.0), "sample 0: 'response_lengths'"),
+    "negative_length": (_set("response_lengths", -1), "sample 0: 'response_lengths'"),
+    "integer_log_probs": (
+        lambda o: o["rollout_data"]["log_probs"].__setitem__(
+            0, o["rollout_data"]["log_probs"][0].to(torch.int64)
+        ),
+        "sample 0: 'log_probs' has dtype torch.int64",
+    ),
+    "complex_mask": (
+        lambda o: o["rollout_data"]["loss_masks"].__setitem__(
+            0, o["rollout_data"]["loss_masks"][0].to(torch.complex64)
+        ),
+        "sample 0: 'loss_masks' has dtype torch.complex64",
+    ),
+    "non_tensor_sample": (_set("rollout_log_probs", [0.1, 0.2]), "sample 0: 'rollout_log_probs'"),
+    "non_list_column": (
+        lambda o: o["rollout_data"].__setitem__("log_probs", 5),
+        "'log_probs' is 5, expected a list",
+    ),
+    "tensor_column": (
+        lambda o: o["rollout_data"].__setitem__("loss_masks", torch.ones(8, 3)),
+        "'loss_masks' is a torch.float32 tensor of shape (8, 3)",
+    ),
+    "huge_cp_size": (lambda o: o.__setitem__("cp_size", 10**12), "'cp_size' is 1000000000000"),
+    "zero_cp_size": (lambda o: o.__setitem__("cp_size", 0), "'cp_size' is 0"),
+    "cp_size_string": (lambda o: o.__setitem__("cp_size", "2"), "'cp_size' is '2'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_a_malformed_dump_is_one_line_naming_the_file_and_the_field(
+    run_dir, tmp_path, capsys, case
+):
+    change, field = MALFORMED[case]
+    target = run_dir / "3_1.pt"
+    if case.endswith("cp_size") or case == "cp_size_string":
+        for f in run_dir.glob("3_*.pt"):  # every file agrees: only the data can refute it
+            _mutate(f, change)
+    else:
+        _mutate(target, change)
+    line = _one_line(cli_error(capsys, run_dir, "--out", tmp_path / "out"))
+    assert "3_" in line and field in line, line
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_log_probs_shorter_than_the_mask(tmp_path, capsys):
+    d = tmp_path / "d"
+    write_per_rank(d, 0, make_rollout(0, 0.1), dp=2, cp=1)
+    for key in ("log_probs", "rollout_log_probs"):
+        _mutate(d / "0_1.pt", lambda o, k=key: o["rollout_data"][k].__setitem__(
+            1, o["rollout_data"][k][1][:-1]))  # fmt: skip
+    line = _one_line(cli_error(capsys, d, "--out", tmp_path / "out"))
+    assert "0_1.pt" in line and "sample 1: 'log_probs'" in line, line
+
+
+def test_response_longer_than_total_under_cp(run_dir, tmp_path, capsys):
+    # the mask still matches the response length: only total_length is wrong
+    _mutate(run_dir / "2_0.pt", lambda o: o["rollout_data"]["total_lengths"].__setitem__(0, 5))
+    line = _one_line(cli_error(capsys, run_dir, "--out", tmp_path / "out"))
+    assert "2_0.pt" in line and "'response_lengths' is 9" in line and "'total_lengths' 5" in line
+
+
+def test_out_naming_an_existing_file(run_dir, tmp_path, capsys):
+    out = tmp_path / "results.csv"
+    out.write_text("keep")
+    line = _one_line(cli_error(capsys, run_dir, "--out", out))
+    assert str(out) in line and "--out" in line
+    assert out.read_text() == "keep"
+
+
+def test_a_huge_cp_size_is_refused_before_any_allocation(run_dir, tmp_path):
+    import resource
+    import time
+
+    for f in run_dir.glob("*.pt"):
+        _mutate(f, lambda o: o.__setitem__("cp_size", 10**12))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.monotonic()
+    with pytest.raises(DumpError, match="'cp_size' is 1000000000000"):
+        analyze([run_dir], tmp_path / "out")
+    assert time.monotonic() - start < 10
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB

@@ -153,3 +153,86 @@ def test_a_bad_ess_lr_value_is_one_clear_line_once():
     assert len(errors) == 1, proc.stderr
     assert "EssLrConfig.floor='5' must be in (0, 1]" in errors[0]
     assert "Traceback" not in proc.stderr
+
+
+_ARM_AFTER_A_BAD_SETTING = f"""
+exec(open({str(Path(__file__).resolve().parents[1] / PTH)!r}).read())
+print("STARTED")  # the process itself runs on
+import ess_patch
+try:
+    ess_patch.arm(0.5)
+    print("ARM-OK")
+except Exception as exc:
+    print("ARM-ERROR", type(exc).__name__, exc)
+print("ARMED-AFTER", ess_patch.armed())
+"""
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "allowed"),
+    [
+        ("ESS_LR_FLOOR", "abc", "a number in (0, 1]"),
+        ("ESS_LR_FLOOR", "2.0", "a number in (0, 1]"),
+        ("ESS_LR_WEIGHT_MODE", "bogus", "geometric, product"),
+        ("ESS_LR_WEIGHT_CLIP", "-1", "a finite number > 0, or none"),
+    ],
+)
+def test_a_bad_setting_names_the_variable_and_arm_reports_the_failed_auto_install(
+    variable, value, allowed
+):
+    proc = _probe("1", _ARM_AFTER_A_BAD_SETTING, {variable: value})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "STARTED" in proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if "ESS_PATCH_AUTO_INSTALL='1'" in line]
+    assert len(errors) == 1, proc.stderr
+    assert f"{variable}={value!r}" in errors[0] and allowed in errors[0], errors[0]
+    assert "Traceback" not in proc.stderr
+    # where ESS-LR is used: arm() says the auto-install failed and why, and arms nothing
+    arm_line = next(line for line in proc.stdout.splitlines() if line.startswith("ARM"))
+    assert arm_line.startswith("ARM-ERROR ValueError"), arm_line
+    assert "auto-install failed" in arm_line and f"{variable}={value!r}" in arm_line
+    assert "install() was not called" not in proc.stdout + proc.stderr
+    assert "ARMED-AFTER None" in proc.stdout
+
+
+@pytest.mark.skipif(not INSTALLED_PTH, reason=NO_PTH)
+def test_an_unrelated_process_starts_with_a_bad_setting():
+    proc = _probe("1", "print('hello')", {"ESS_LR_FLOOR": "abc"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "hello", proc.stderr[-2000:]
+
+
+def test_an_explicit_install_after_a_failed_auto_install_arms_normally(monkeypatch, clean_ess):
+    import ess_patch
+    from ess_patch.install import INSTALLATION
+
+    monkeypatch.setattr(INSTALLATION, "autoinstall_error", ValueError("ESS_LR_FLOOR='abc' ..."))
+    with pytest.raises(ValueError, match="auto-install failed"):
+        ess_patch.arm(0.5)
+    assert ess_patch.armed() is None
+    ess_patch.install("megatron")
+    assert ess_patch.arm(0.5).scale == 0.5
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "allowed"),
+    [
+        ("ESS_LR_FLOOR", "abc", "a number in (0, 1]"),
+        ("ESS_LR_FLOOR", "0", "a number in (0, 1]"),
+        ("ESS_LR_BASE_RATIO", "inf", "a finite number > 0"),
+        ("ESS_LR_RULE", "cubic", "sqrt, linear"),
+        ("ESS_LR_NONFINITE", "ignore", "raise, floor"),
+        ("ESS_LR_GRANULARITY", "epoch", "rollout, step"),
+        ("ESS_LR_SHADOW", "maybe", "1, 0, true or false"),
+        ("ESS_LR_WEIGHT_CLIP", "zero", "a finite number > 0, or none"),
+    ],
+)
+def test_from_env_names_the_variable_and_its_allowed_values(variable, value, allowed):
+    from ess_patch.config import EssLrConfig
+
+    with pytest.raises(ValueError) as info:
+        EssLrConfig.from_env(
+            {variable: value, "ESS_LR_FLOOR" if variable != "ESS_LR_FLOOR" else "X": "0.2"}
+        )
+    message = str(info.value)
+    assert message.startswith(f"{variable}={value!r} is not a valid ESS-LR setting"), message
+    assert allowed in message and f"unset {variable}" in message

@@ -55,7 +55,8 @@ def test_vendored_tree_is_recognised(clean_ess, monkeypatch):
 def test_bad_environment_config_is_a_problem(clean_ess, monkeypatch):
     monkeypatch.setenv("ESS_LR_FLOOR", "2")
     [problem] = collect().problems
-    assert problem.startswith("ESS_LR_* environment: EssLrConfig.floor='2' must be in (0, 1]")
+    assert problem.startswith("ESS_LR_* environment: ESS_LR_FLOOR='2' is not a valid ESS-LR")
+    assert "EssLrConfig.floor='2' must be in (0, 1]" in problem
 
 
 def test_auto_install_without_its_pth_is_a_problem(clean_ess, monkeypatch, tmp_path):

@@ -110,24 +110,26 @@ def _step_is_plain_sgd(setup, scale: float) -> bool:
     return exact
 
 
-def rank_faults(faulty_rank: int, with_optimizer: bool = False):
-    """Per fault: (error type name or None, message head, seconds, armed after, optimizer
-    untouched by the rollout, next step exact) -- the last two None without an optimizer."""
+def rank_faults(faulty_ranks: list[int], with_optimizer: bool = False):
+    """Per (faulty rank, fault): (error type name or None, message head, seconds, armed
+    after, optimizer untouched by the rollout, next step exact, scale) -- the optimizer
+    entries None without an optimizer. One healthy rollout first, keyed (None, None)."""
     lay = layout()
     framework = _framework(lay)
     out = {}
+    cases = [(None, None)] + [(f, fault) for f in faulty_ranks for fault in FAULTS]
     with megatron_on_cpu() if with_optimizer else contextlib.nullcontext():
         setup = None
         if with_optimizer:
             ess_patch.install("megatron")
             setup = build_megatron_optimizer("multi_fp32", optimizer="sgd")
-        for index, fault in enumerate((None, *FAULTS)):
+        for index, (faulty, fault) in enumerate(cases):
             before = None
             if setup is not None:
                 forward_backward(setup, *batch(lay.rank, index))
                 before = snapshot(setup)
             ess_patch.arm(0.5)  # the "previous rollout": must not survive a failed one
-            args, data = _rollout(lay, fault, lay.rank == faulty_rank)
+            args, data = _rollout(lay, fault, lay.rank == faulty)
             start = time.monotonic()
             result = None
             try:
@@ -141,7 +143,7 @@ def rank_faults(faulty_rank: int, with_optimizer: bool = False):
             if setup is not None:
                 untouched = snapshots_equal(before, snapshot(setup))
                 step_exact = _step_is_plain_sgd(setup, 1.0 if result is None else result.scale)
-            out[fault] = (
+            out[(faulty, fault)] = (
                 *outcome,
                 elapsed,
                 None if armed is None else armed.scale,
@@ -154,6 +156,21 @@ def rank_faults(faulty_rank: int, with_optimizer: bool = False):
             ess_patch.uninstall()
     ess_patch.disarm()
     return out
+
+
+def _is_last_stage(rank: int, lay: tuple[int, int, int]) -> bool:
+    # Megatron's default order "tp-cp-ep-dp-pp": the pipeline stage is the slowest index
+    dp, cp, pp = lay
+    return rank // (dp * cp) == pp - 1
+
+
+def _no_fault(fault: str, faulty: int, lay: tuple[int, int, int]) -> bool:
+    """Faults that are valid input where they are injected: every rank gets the result."""
+    cp = lay[1]
+    if fault in ("count", "index") and cp == 1:
+        return True  # without CP: valid input (fewer samples), or no mask slicing at all
+    # a non-last stage's inputs are not used: fewer samples, or none at all, are no fault
+    return fault in ("count", "all_none") and not _is_last_stage(faulty, lay)
 
 
 def _expect(fault: str, rank: int, faulty: int, lay: tuple[int, int, int]) -> set[str]:
@@ -176,57 +193,70 @@ def _expect(fault: str, rank: int, faulty: int, lay: tuple[int, int, int]) -> se
     return {"InvalidInputsElsewhereError"}
 
 
-LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)]
+# faults whose error is the faulty rank's alone (a NaN or a CP count is found by several)
+_OWN_ERROR = ("runtime", "index", "all_none", "none_result")
+
+# (1, 1, 3): a middle pipeline stage
+LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (1, 1, 3), (2, 2, 2)]
 # the layouts whose ranks also hold a real megatron optimizer (cheap: all of them)
 WITH_OPTIMIZER = set(LAYOUTS)
 
 
 @pytest.mark.parametrize(("dp", "cp", "pp"), LAYOUTS, ids=lambda v: str(v))
 def test_every_fault_reaches_every_rank(tmp_path, dp, cp, pp):
+    """Each fault injected at every rank position in turn (each DP, CP index, PP stage)."""
     world = dp * cp * pp
-    faulty = world - 1  # a rank of the last pipeline stage: the one with log-probs
-    with_optimizer = (dp, cp, pp) in WITH_OPTIMIZER
+    lay = (dp, cp, pp)
+    with_optimizer = lay in WITH_OPTIMIZER
     results = run_ranks(
         rank_faults,
         dp=dp,
         cp=cp,
         pp=pp,
-        args=(faulty, with_optimizer),
+        args=(list(range(world)), with_optimizer),
         tmp_path=tmp_path,
-        timeout=150,
+        timeout=300,
         collective_timeout=COLLECTIVE_TIMEOUT,
     )
-    healthy = {r[None][1] for r in results}
-    assert healthy == {"ok"}, results[0][None]
+    healthy = {r[(None, None)][1] for r in results}
+    assert healthy == {"ok"}, results[0][(None, None)]
+    scales = {r[(None, None)][6] for r in results}
+    assert len(scales) == 1 and (healthy_scale := scales.pop()) < 1.0  # really scaled
     if with_optimizer:
-        scales = {r[None][6] for r in results}
-        assert len(scales) == 1 and scales.pop() < 1.0  # the healthy step is really scaled
-        for fault in (None, *FAULTS):
+        for case in results[0]:
             for rank, r in enumerate(results):
                 # the rollout, failed or not, touched no parameter, LR or optimizer state;
                 # the next step used the scheduled LR (times the scale only if it succeeded)
-                assert r[fault][4] is True, (fault, rank, "optimizer changed by the rollout")
-                assert r[fault][5] is True, (fault, rank, "next step not the expected SGD")
-    for fault in FAULTS:
-        if fault in ("count", "index") and cp == 1:
-            continue  # without CP: valid input (fewer samples), or no mask slicing at all
-        if fault == "all_none" and cp == 1:
-            # without CP peers a rank with no inputs is "missing": a no-op everywhere
-            assert {r[fault][1] for r in results} == {"missing"}, [r[fault] for r in results]
-            continue
-        for rank, r in enumerate(results):
-            kind, message, elapsed, armed = r[fault][:4]
-            if fault != "config" and kind == "ConfigMismatchError":
-                pytest.fail(f"{fault}: rank {rank} got {message}")
-            expected = _expect(fault, rank, faulty, (dp, cp, pp))
-            assert kind in expected, (fault, rank, kind, message)
-            assert armed is None, (fault, rank, "a failed rollout left a scale armed")
-            assert elapsed < COLLECTIVE_TIMEOUT / 4, (fault, rank, elapsed)
-        kinds = [r[fault][0] for r in results]
-        if fault == "config":
-            assert "ConfigMismatchError" in kinds, kinds
-        if fault == "nonfinite":
-            assert kinds[faulty] == "NonFiniteLogProbError", kinds
+                assert r[case][4] is True, (case, rank, "optimizer changed by the rollout")
+                assert r[case][5] is True, (case, rank, "next step not the expected SGD")
+    for faulty in range(world):
+        for fault in FAULTS:
+            case = (faulty, fault)
+            if fault == "all_none" and cp == 1 and _is_last_stage(faulty, lay):
+                # without CP peers a rank with no inputs is "missing": a no-op everywhere
+                assert {r[case][1] for r in results} == {"missing"}, [r[case] for r in results]
+                continue
+            if _no_fault(fault, faulty, lay):
+                assert {r[case][:2] for r in results} == {(None, "ok")}, [r[case] for r in results]
+                if not _is_last_stage(faulty, lay):  # its inputs are not used
+                    assert {r[case][6] for r in results} == {healthy_scale}, case
+                continue
+            for rank, r in enumerate(results):
+                kind, message, elapsed, armed = r[case][:4]
+                if fault != "config" and kind == "ConfigMismatchError":
+                    pytest.fail(f"{case}: rank {rank} got {message}")
+                expected = _expect(fault, rank, faulty, lay)
+                assert kind in expected, (case, rank, kind, message)
+                assert armed is None, (case, rank, "a failed rollout left a scale armed")
+                assert elapsed < COLLECTIVE_TIMEOUT / 4, (case, rank, elapsed)
+                if kind == "InvalidInputsElsewhereError" and fault in _OWN_ERROR:
+                    # names the rank the fault came from, wherever it was relayed
+                    assert f"rank(s) {faulty}" in message, (case, rank, message)
+            kinds = [r[case][0] for r in results]
+            if fault == "config":
+                assert "ConfigMismatchError" in kinds, kinds
+            if fault == "nonfinite":
+                assert kinds[faulty] == "NonFiniteLogProbError", kinds
 
 
 def rank_outside_group():

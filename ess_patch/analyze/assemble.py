@@ -110,6 +110,14 @@ def _assemble(rid: int, dumps: list[DumpFile]) -> Rollout:
     cp_size = cp_sizes.pop()
     if cp_size is None:
         cp_size = _legacy_cp_size(rid, with_lp)
+    elif not 1 <= cp_size <= len(with_lp):
+        # checked against the data before anything is sized from it: each cp_rank of a
+        # batch has its own file
+        raise DumpError(
+            f"{with_lp[0].path}: 'cp_size' is {cp_size}, but rollout {rid} has "
+            f"{len(with_lp)} file(s) with log-probs (one per cp_rank at least): a corrupt "
+            "or foreign dump?"
+        )
     trajs: list[Trajectory] = []
     for batch in _batches(rid, with_lp, cp_size):
         trajs.extend(_join(rid, batch, cp_size))
@@ -179,6 +187,13 @@ def _batches(rid: int, dumps: list[DumpFile], cp_size: int) -> Iterator[list[Dum
 
 def _join(rid: int, batch: list[DumpFile], cp_size: int) -> list[Trajectory]:
     if cp_size == 1:
+        for i, t in enumerate(batch[0].trajectories or []):
+            if t.log_probs.shape[0] != t.response_length:
+                raise DumpError(
+                    f"{batch[0].path}: sample {i}: 'log_probs' has {t.log_probs.shape[0]} "
+                    f"entries but 'response_lengths' (and 'loss_masks') {t.response_length}: "
+                    "with cp_size=1 each response token has one"
+                )
         return list(batch[0].trajectories or [])
     out = []
     for i, pieces in enumerate(zip(*(d.trajectories or [] for d in batch), strict=True)):

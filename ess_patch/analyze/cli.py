@@ -61,6 +61,16 @@ def run(args: argparse.Namespace) -> int:
             bar.close()
         print(f"ess-patch analyze: {exc}", file=sys.stderr)
         return 1
+    except (TypeError, ValueError, IndexError, KeyError, RuntimeError) as exc:
+        # the reader names the file and field of every malformed dump it knows; a shape it
+        # does not know still ends in one line, not a traceback
+        if bar is not None:
+            bar.close()
+        print(
+            f"ess-patch analyze: a dump could not be read ({type(exc).__name__}: {exc})",
+            file=sys.stderr,
+        )
+        return 1
     if bar is not None:
         bar.close()
     print(f"{result.num_rollouts} rollouts; scale < 1 = ESS-LR would brake that rollout's LR")

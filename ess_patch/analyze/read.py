@@ -102,11 +102,34 @@ def _int(path: Path, obj: dict, key: str, default: int | None = None) -> int | N
     value = obj.get(key, default)
     if value is None:
         return None
-    if isinstance(value, torch.Tensor):
+    return _as_int(path, f"'{key}'", value)
+
+
+def _as_int(path: Path, field: str, value: object, *, minimum: int | None = None) -> int:
+    """An integer field (a Python int or a one-element integer tensor), or one line naming
+    the file and the field."""
+    if (
+        isinstance(value, torch.Tensor)
+        and value.numel() == 1
+        and not value.dtype.is_floating_point
+        and not value.dtype.is_complex
+        and value.dtype != torch.bool
+    ):
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, int):
-        raise DumpError(f"{path}: '{key}' is {value!r}, expected an integer")
+        shown = _describe(value)
+        raise DumpError(f"{path}: {field} is {shown}, expected an integer")
+    if minimum is not None and value < minimum:
+        raise DumpError(f"{path}: {field} is {value}, expected an integer >= {minimum}")
     return value
+
+
+def _describe(value: object) -> str:
+    """A short description of a bad value (never the whole of a large one)."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 60 else f"a {type(value).__name__} ({text[:40]}...)"
 
 
 def _per_rank(path: Path, obj: dict) -> DumpFile:
@@ -164,16 +187,14 @@ def _columns(path: Path, data: dict) -> list[Trajectory]:
     for key in ("rollout_log_probs", "loss_masks", "total_lengths", "response_lengths"):
         if data.get(key) is None:
             raise DumpError(f"{path}: has no '{key}'; cannot compute the train/rollout ratio")
-    cols = [
-        data[k]
-        for k in (
-            "log_probs",
-            "rollout_log_probs",
-            "loss_masks",
-            "total_lengths",
-            "response_lengths",
-        )
-    ]
+    keys = ("log_probs", "rollout_log_probs", "loss_masks", "total_lengths", "response_lengths")
+    for key in keys:
+        if not isinstance(data[key], (list, tuple)):
+            raise DumpError(
+                f"{path}: '{key}' is {_describe(data[key])}, expected a list with one entry "
+                "per sample"
+            )
+    cols = [data[k] for k in keys]
     n = len(cols[0])
     if any(len(c) != n for c in cols):
         raise DumpError(
@@ -184,8 +205,27 @@ def _columns(path: Path, data: dict) -> list[Trajectory]:
     for i, (lp, rlp, mask, total, resp) in enumerate(zip(*cols, strict=True)):
         for name, t in (("log_probs", lp), ("rollout_log_probs", rlp), ("loss_masks", mask)):
             if not isinstance(t, torch.Tensor) or t.dim() != 1:
-                raise DumpError(f"{path}: sample {i}: '{name}' is not a 1-D tensor")
-        total, resp = int(total), int(resp)
+                raise DumpError(
+                    f"{path}: sample {i}: '{name}' is {_describe(t)}, expected a 1-D tensor"
+                )
+        for name, t in (("log_probs", lp), ("rollout_log_probs", rlp)):
+            if not t.dtype.is_floating_point:
+                raise DumpError(
+                    f"{path}: sample {i}: '{name}' has dtype {t.dtype}, expected floating point "
+                    "log-probs"
+                )
+        if mask.dtype.is_complex:
+            raise DumpError(
+                f"{path}: sample {i}: 'loss_masks' has dtype {mask.dtype}, expected a real "
+                "(bool, integer or float) mask"
+            )
+        total = _as_int(path, f"sample {i}: 'total_lengths'", total, minimum=1)
+        resp = _as_int(path, f"sample {i}: 'response_lengths'", resp, minimum=0)
+        if resp > total:
+            raise DumpError(
+                f"{path}: sample {i}: 'response_lengths' is {resp}, more than its "
+                f"'total_lengths' {total}"
+            )
         if lp.shape != rlp.shape:
             raise DumpError(
                 f"{path}: sample {i}: log_probs has {lp.shape[0]} tokens, rollout_log_probs "

@@ -81,14 +81,23 @@ def analyze(
         DumpError: bad input (nothing is written then, except an already existing ``out``).
     """
     settings = default_settings() if settings is None else list(settings)
+    out = Path(out)
     groups = discover([Path(p) for p in paths])
     tick = progress(len(groups)) if progress is not None else (lambda: None)
     rows: list[dict] = []
+    if out.exists() and not out.is_dir():  # before the work, not after it
+        raise DumpError(f"{out}: --out names an existing file; give a folder (new or existing)")
     for rollout in iter_rollouts(groups):
         for s in settings:
-            r = compute_ess_lr(
-                rollout.log_probs, rollout.rollout_log_probs, rollout.loss_masks, config=s.config()
-            )
+            try:
+                r = compute_ess_lr(
+                    rollout.log_probs,
+                    rollout.rollout_log_probs,
+                    rollout.loss_masks,
+                    config=s.config(),
+                )
+            except (TypeError, ValueError) as exc:  # the reader's checks should catch all
+                raise DumpError(f"rollout {rollout.rollout_id}: {exc}") from None
             rows.append(
                 {
                     "rollout_id": rollout.rollout_id,
@@ -115,7 +124,12 @@ def analyze(
 
 
 def _prepare_out(out: Path) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise DumpError(f"{out}: --out names an existing file; give a folder (new or existing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DumpError(f"{out}: cannot create the --out folder: {exc.strerror or exc}") from None
     for name in OUTPUT_NAMES:
         target = out / name
         if target.is_symlink() or (target.exists() and not target.is_file()):

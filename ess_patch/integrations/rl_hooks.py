@@ -393,6 +393,12 @@ def _on_every_rank(
         "dp_group": groups.dp_group,
         "prepare_masks": _mask_preparer(groups, args, rollout_data),
     }
+    if not per_step:
+        # one call on every stage: a fault on any stage reaches every rank of DP x CP x PP
+        out = compute_ess_lr(*inputs, pp_group=groups.pp_group, **options)
+        if out.status == "missing":
+            _warn_missing(framework, rollout_data)
+        return out
     out = None
     error: BaseException | None = None
     try:
