@@ -262,3 +262,33 @@ def test_the_critic_role_comes_from_the_args_too(clean_ess):
     args = Namespace(use_ess_lr=True, loss_type="value_loss")
     _Critic(args).train_critic(1, _critic_rollout())
     assert STATE.role == "critic" and ess_metrics() == {}
+
+
+# --- the demo's command line -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "expected"),
+    [
+        (["--floor", "0.2", "--rule", "linear"], {}, EssLrConfig(floor=0.2, rule="linear")),
+        ([], {"ESS_LR_FLOOR": "0.4", "ESS_LR_WEIGHT_MODE": "product"}, None),
+        (["--floor", "0.2"], {"ESS_LR_FLOOR": "0.4"}, EssLrConfig(floor=0.2)),
+        (["--weight-clip", "none"], {"ESS_LR_WEIGHT_CLIP": "2"}, EssLrConfig()),
+    ],
+    ids=["flags", "env", "flag-over-env", "explicit-none-over-env"],
+)
+def test_demo_settings_follow_the_same_precedence(argv, env, expected, no_ess_env):
+    from ess_patch import cli
+
+    for key, value in env.items():
+        no_ess_env.setenv(key, value)
+    args = cli.build_parser().parse_args(["demo", *argv])
+    expected = expected or EssLrConfig(floor=0.4, weight_mode="product")
+    assert cli._ess_settings(args) == expected
+
+
+def test_demo_settings_have_no_defaults_of_their_own():
+    from ess_patch import cli
+
+    args = cli.build_parser().parse_args(["demo"])
+    assert all(getattr(args, name) is None for name in cli.DEMO_ESS_FIELDS)
