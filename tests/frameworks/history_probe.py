@@ -141,11 +141,14 @@ def slime_metrics() -> dict:
 
 
 def parse_checks(fw: str) -> dict:
+    from ess_patch.integrations.flags import config_from_args
+
     def attempt(argv):
         try:
             with contextlib.redirect_stderr(io.StringIO()):
                 args = parse_upstream_args(fw, [*MINIMAL_ARGV, *BATCH, *argv])
-            return {"use_ess_lr": args.use_ess_lr, "floor": args.ess_lr_floor}
+            # the floor the hook uses (the option itself is None when not given)
+            return {"use_ess_lr": args.use_ess_lr, "floor": config_from_args(args).floor}
         except (ValueError, SystemExit, AssertionError) as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
 
