@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-import logging
 import json
+import logging
 import os
 import sys
 import traceback
