@@ -1,4 +1,6 @@
-"""What miles and slime share: the flags, their validation, the advantage hook, the metrics.
+"""What miles and slime share: the flags' validation, the advantage hook, the critic, the metrics.
+
+The flags themselves (and the settings they give) are ``flags.py``'s, re-exported here.
 
 Each framework module (``miles.py``, ``slime.py``) supplies a :class:`Framework` with the
 parts that differ (where its process groups live, which combinations can never give train
