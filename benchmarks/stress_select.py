@@ -20,6 +20,7 @@ import argparse
 import itertools
 import time
 
+from ess_patch import EssLrConfig
 from ess_patch.demo import DemoConfig, report
 from ess_patch.demo.launch import launch
 
@@ -28,7 +29,7 @@ LRS = (1e-2, 3e-2, 1e-1)
 IS_LEVELS = ("token", "sequence")
 LAGS = (4, 16, 64)
 SELECTION_SEEDS = (100, 101, 102, 103)
-BASE = {"dp": 2, "cp": 1, "pp": 1, "steps": 150, "weight_mode": "product"}
+BASE = {"dp": 2, "cp": 1, "pp": 1, "steps": 150, "ess": EssLrConfig(weight_mode="product")}
 
 
 def main() -> None:

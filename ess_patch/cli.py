@@ -11,7 +11,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import __version__
-from .config import WEIGHT_MODES
+from .config import EssLrConfig
+from .integrations.flags import add_config_options, given_options
+
+#: The ESS-LR settings the demo takes as flags (``--floor``...; the others do not apply to it).
+DEMO_ESS_FIELDS = ("floor", "weight_mode", "rule", "base_ratio", "weight_clip")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,12 +57,8 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--dp", type=int, help="data-parallel size [2]")
     demo.add_argument("--cp", type=int, help="context-parallel size (zigzag split) [2]")
     demo.add_argument("--pp", type=int, help="pipeline-parallel size, at most 4 [1]")
-    demo.add_argument("--floor", type=float, help="smallest LR scale [0.1]")
-    demo.add_argument(
-        "--weight-mode",
-        choices=WEIGHT_MODES,
-        help="per-trajectory weight: exp(mean) or exp(sum) of log-ratios [geometric]",
-    )
+    # ESS-LR's settings, from EssLrConfig's fields: a flag given > ESS_LR_* > the default
+    add_config_options(demo, "--", DEMO_ESS_FIELDS, check=False, installed=False)
     demo.add_argument("--out", type=Path, help="output folder [./ess-demo-out/<date>-<time>]")
     demo.add_argument(
         "--quick", action="store_true", help="a smoke run of a few seconds (12 steps, lag 4)"
@@ -102,6 +102,24 @@ def _flag(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
+def _ess_settings(args: argparse.Namespace, **fixed: str) -> EssLrConfig:
+    """The demo's ESS-LR settings: each flag given, else ``ESS_LR_*``, else the default;
+    ``fixed``: what the scenario sets itself.
+
+    Raises:
+        ValueError: a flag's value is out of range (the message names the flag), or an
+            ``ESS_LR_*`` variable is.
+    """
+    given = given_options(args, "", DEMO_ESS_FIELDS)
+    for name, value in given.items():
+        try:  # one field at a time, so that the error names the flag the user typed
+            EssLrConfig(**{name: value})
+        except ValueError as exc:
+            problem = str(exc).removeprefix(f"EssLrConfig.{name}={value!r} ")
+            raise ValueError(f"{_flag(name)} {problem} (got {value})") from None
+    return EssLrConfig.from_env(**{**given, **fixed})
+
+
 def _out_problem(out: Path) -> str | None:
     """Why ``out`` cannot be the demo's output folder (created if absent), else ``None``."""
     if out.exists() and not out.is_dir():
@@ -143,9 +161,14 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     options = {
         name: getattr(args, name)
-        for name in ("steps", "lag", "seed", "dp", "cp", "pp", "floor", "weight_mode")
+        for name in ("steps", "lag", "seed", "dp", "cp", "pp")
         if getattr(args, name) is not None
     }
+    try:
+        options["ess"] = _ess_settings(args)
+    except ValueError as exc:
+        print(f"ess-patch demo: {exc}", file=sys.stderr)
+        return 2
     try:
         cfg = quick_config(**options) if args.quick else DemoConfig(**options)
     except DemoConfigError as exc:  # name the flag the user typed, not the dataclass field
@@ -163,8 +186,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         return 2
     print(
         f"ess-patch demo: {cfg.world_size} ranks (dp={cfg.dp} cp={cfg.cp} pp={cfg.pp}), "
-        f"{cfg.steps} steps per arm, max lag {cfg.lag}, {cfg.weight_mode} weights, "
-        f"floor {cfg.floor}"
+        f"{cfg.steps} steps per arm, max lag {cfg.lag}, {cfg.ess.weight_mode} weights, "
+        f"floor {cfg.ess.floor}"
     )
     bar = tqdm(
         total=cfg.steps * len(cfg.arms),
@@ -206,11 +229,11 @@ def _run_stress(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from .demo.launch import DemoError
-    from .demo.stress import QUICK_STEPS, run_stress, stress_config
+    from .demo.stress import QUICK_STEPS, STRESS, run_stress, stress_config
 
     options = {
         name: getattr(args, name)
-        for name in ("steps", "lag", "dp", "cp", "pp", "floor")
+        for name in ("steps", "lag", "dp", "cp", "pp")
         if getattr(args, name) is not None
     }
     if args.quick:
@@ -224,6 +247,8 @@ def _run_stress(args: argparse.Namespace) -> int:
         )
         return 2
     try:
+        # the scenario's weight mode is its control arm's (each ESS-LR arm sets its own)
+        options["ess"] = _ess_settings(args, weight_mode=STRESS["ess"].weight_mode)
         cfg = stress_config(**options)
         if seeds < 2:
             raise ValueError(f"--seeds {seeds}: paired statistics need at least 2 seeds")

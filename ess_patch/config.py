@@ -6,11 +6,13 @@ import math
 import os
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 __all__ = [
+    "CHOICES",
     "FINGERPRINT_SIZE",
     "GRANULARITIES",
+    "HELP",
     "NONFINITE_POLICIES",
     "RULES",
     "WEIGHT_MODES",
@@ -32,10 +34,13 @@ NONFINITE_POLICIES = ("raise", "floor")
 GRANULARITIES = ("rollout", "step")
 
 _ENV_PREFIX = "ESS_LR_"
+#: The key of a field's help text in its ``metadata`` (the ``--ess-lr-*`` options are
+#: generated from the fields: ``ess_patch.integrations.flags``).
+HELP = "help"
 
-# The named choices of the string fields: a fingerprint encodes them as their index, so that a
-# rank can say which value its peer has.
-_CHOICES: dict[str, tuple[str, ...]] = {
+#: The named choices of the string fields (a fingerprint encodes them as their index, so that
+#: a rank can say which value its peer has; the options list them).
+CHOICES: dict[str, tuple[str, ...]] = {
     "weight_mode": WEIGHT_MODES,
     "rule": RULES,
     "nonfinite": NONFINITE_POLICIES,
@@ -63,21 +68,58 @@ class EssLrConfig:
             lists the valid values).
     """
 
-    floor: float = 0.1
-    weight_mode: str = "geometric"
-    rule: str = "sqrt"
-    base_ratio: float = 1.0
-    nonfinite: str = "raise"
+    floor: float = field(
+        default=0.1, metadata={HELP: "Smallest LR scale, in (0, 1]: scale = max(floor, ...)."}
+    )
+    weight_mode: str = field(
+        default="geometric",
+        metadata={
+            HELP: "Trajectory weight: exp(mean log-ratio) ('geometric', length-normalised, "
+            "gentle) or exp(sum) ('product', VCPO's code, brakes hard on long responses)."
+        },
+    )
+    rule: str = field(
+        default="sqrt",
+        metadata={HELP: "Scale from rho = ESS/B: sqrt(rho/base_ratio) or rho/base_ratio."},
+    )
+    base_ratio: float = field(
+        default=1.0, metadata={HELP: "rho is divided by this before the rule (1.0: no rescaling)."}
+    )
+    nonfinite: str = field(
+        default="raise",
+        metadata={
+            HELP: "On a NaN/inf log-ratio: 'raise' on every rank, or 'floor': train at the floor."
+        },
+    )
     #: Compute and log everything every rollout, but never change an LR (``--ess-lr-shadow``).
-    shadow: bool = False
+    shadow: bool = field(
+        default=False,
+        metadata={
+            HELP: "Compute and log rho/ESS and the scale ESS-LR would apply "
+            "(train/ess_lr_shadow_scale) every rollout, but never change an LR. "
+            "Use without --use-ess-lr."
+        },
+    )
     #: "rollout" (default) or "step": see :data:`GRANULARITIES` (``--ess-lr-granularity``).
     #: Read by the miles/slime integrations; with the library, "step" means calling
     #: ``compute_ess_lr_steps`` and ``arm_steps`` (``compute_ess_lr`` reads every trajectory
     #: it is given). In the fingerprint, so ranks that disagree all raise.
-    granularity: str = "rollout"
+    granularity: str = field(
+        default="rollout",
+        metadata={
+            HELP: "'rollout': one ESS over the whole rollout, for each of its optimizer steps. "
+            "'step': one ESS per optimizer step over that step's mini-batch (VCPO's code)."
+        },
+    )
     #: Clip each trajectory weight to ``min(w_i, weight_clip)`` before the ESS (VCPO's
     #: ``use_clipped`` with ``rollout_is_threshold``); None (default) = no clipping.
-    weight_clip: float | None = None
+    weight_clip: float | None = field(
+        default=None,
+        metadata={
+            HELP: "Clip each trajectory weight to min(w, this) before the ESS (VCPO's "
+            "use_clipped with rollout_is_threshold); 'none': no clipping."
+        },
+    )
 
     def __post_init__(self) -> None:
         floor = _as_float("floor", self.floor)
@@ -197,8 +239,8 @@ def _as_bool(name: str, value: object) -> bool:
 def _encode_field(name: str, value: object) -> float:
     if value is None:
         return -math.inf
-    if name in _CHOICES:
-        return float(_CHOICES[name].index(value))  # type: ignore[arg-type]
+    if name in CHOICES:
+        return float(CHOICES[name].index(value))  # type: ignore[arg-type]
     if isinstance(value, str):
         return float(zlib.crc32(value.encode()))
     return float(value)  # type: ignore[arg-type]
@@ -208,8 +250,8 @@ def describe_fingerprint(values: list[float]) -> dict[str, object]:
     """The field values an :meth:`EssLrConfig.fingerprint` stands for (for error messages)."""
     out: dict[str, object] = {}
     for f, v in zip(fields(EssLrConfig), values, strict=True):
-        if f.name in _CHOICES and 0 <= v < len(_CHOICES[f.name]):
-            out[f.name] = _CHOICES[f.name][int(v)]
+        if f.name in CHOICES and 0 <= v < len(CHOICES[f.name]):
+            out[f.name] = CHOICES[f.name][int(v)]
         elif f.type in ("bool", bool):
             out[f.name] = bool(v)
         elif v == -math.inf:

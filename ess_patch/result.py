@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-__all__ = ["ENCODED_SIZE", "STATUSES", "EssLrResult", "check_scale"]
+__all__ = ["ENCODED_SIZE", "STATUSES", "UNMEASURED", "EssLrResult", "check_scale"]
 
 #: ok: computed from at least one valid trajectory.
 #: no_valid: no trajectory had a masked token anywhere: no-op (scale 1, rho 1).
@@ -13,6 +13,8 @@ __all__ = ["ENCODED_SIZE", "STATUSES", "EssLrResult", "check_scale"]
 #: nonfinite: a NaN/inf log-ratio with the "floor" policy: fail closed to the floor.
 #: manual: armed from a bare float by the caller.
 STATUSES = ("ok", "no_valid", "missing", "nonfinite", "manual")
+#: The statuses of a rollout that nothing was measured on (its metrics say so).
+UNMEASURED = ("no_valid", "missing")
 
 
 def check_scale(scale: float) -> float:
@@ -63,8 +65,20 @@ class EssLrResult:
         scale = check_scale(scale)
         return cls(scale=scale, rho=math.nan, ess=math.nan, num_trajectories=0, status="manual")
 
+    @property
+    def measured(self) -> bool:
+        """Whether rho and the scale come from log-probs ("missing": some rank had none;
+        "no_valid": no trajectory had a masked token): an unmeasured no-op has scale 1 and
+        rho 1, which would read as "no staleness"."""
+        return self.status not in UNMEASURED
+
     def metrics(self) -> dict[str, float]:
-        """Metrics for the host framework's train-step logging (keys without ``train/``)."""
+        """Metrics for the host framework's train-step logging (keys without ``train/``).
+
+        An unmeasured rollout (:attr:`measured` False) gives only ``{"ess_lr_measured": 0.0}``:
+        no ``lr_scale`` / ``rho_ess`` / ``ess`` that would look measured."""
+        if not self.measured:
+            return {"ess_lr_measured": 0.0}
         return {
             "lr_scale": self.scale,
             "rho_ess": self.rho,

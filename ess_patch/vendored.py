@@ -19,7 +19,7 @@ from .integrations import miles as _miles
 from .integrations import slime as _slime
 from .integrations.megatron_rl import MEGATRON_RL
 from .integrations.miles import MILES, MILES_FRAMEWORK
-from .integrations.rl_hooks import advantage_wrapper, parse_args_wrapper
+from .integrations.rl_hooks import advantage_wrapper, critic_wrapper, parse_args_wrapper
 from .integrations.slime import SLIME, SLIME_FRAMEWORK
 from .lr import step_wrapper
 from .patching import VENDORED_MARK, is_vendored
@@ -39,10 +39,12 @@ __all__ = [
     "miles_fsdp_train_core",
     "miles_log_train_step",
     "miles_parse_args",
+    "miles_train_critic",
     "optimizer_step",
     "slime_advantages",
     "slime_log",
     "slime_parse_args",
+    "slime_train_critic",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -98,6 +100,10 @@ miles_fsdp_train_core = _method_hook(_miles.fsdp_train_core_wrapper)
 slime_parse_args = _function_hook(parse_args_wrapper(SLIME_FRAMEWORK))
 #: slime ``backends/megatron_utils/loss.py``: on ``compute_advantages_and_returns``.
 slime_advantages = _function_hook(advantage_wrapper(SLIME_FRAMEWORK))
+#: miles ``megatron_utils/actor.py``: on ``MegatronTrainRayActor.train_critic``.
+miles_train_critic = _method_hook(critic_wrapper)
+#: slime ``megatron_utils/actor.py``: on ``MegatronTrainRayActor.train_critic``.
+slime_train_critic = _method_hook(critic_wrapper)
 #: slime ``observability/logging_utils.py``: on ``log``.
 slime_log = _function_hook(_slime.log_wrapper)
 #: Megatron-LM ``megatron/training/arguments.py``: on ``parse_args`` (Megatron-RL runs only).

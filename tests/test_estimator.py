@@ -212,7 +212,7 @@ def test_no_valid_trajectory_is_the_documented_noop():
         result = compute_ess_lr(lp, rlp, masks)
         assert (result.scale, result.rho, result.num_trajectories) == (1.0, 1.0, 0)
         assert result.status == "no_valid"
-        assert result.metrics()["lr_scale"] == 1.0
+        assert result.metrics() == {"ess_lr_measured": 0.0}  # nothing that looks measured
 
 
 def test_missing_inputs_give_noop():

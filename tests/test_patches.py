@@ -484,6 +484,7 @@ _MILES_FILES = (
     "miles/backends/training_utils/loss.py",
     "miles/backends/training_utils/log_utils.py",
     "miles/backends/fsdp_utils/actor.py",
+    "miles/backends/megatron_utils/actor.py",  # MegatronTrainRayActor.train_critic
 )
 _SLIME_LOG = ("slime/observability/logging_utils.py", "slime/utils/logging_utils.py")
 FRAMEWORKS = {
@@ -499,6 +500,7 @@ FRAMEWORKS = {
             "slime/utils/arguments.py",
             "slime/backends/megatron_utils/loss.py",
             "slime/observability/logging_utils.py",
+            "slime/backends/megatron_utils/actor.py",  # MegatronTrainRayActor.train_critic
         ),
     ),
     "slime-v0.3.1": Snapshot(
@@ -509,6 +511,7 @@ FRAMEWORKS = {
             "slime/utils/arguments.py",
             "slime/backends/megatron_utils/loss.py",
             "slime/utils/logging_utils.py",
+            "slime/backends/megatron_utils/actor.py",
         ),
         # the series decorates log where v0.3.1 keeps it; install() knows that location too
         # (an optional target with decorator slime_log), so there is no gap

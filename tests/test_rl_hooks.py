@@ -69,7 +69,7 @@ def test_flags_parse_and_reject_bad_values(capsys):
             parser.parse_args(bad)
     err = capsys.readouterr().err
     assert "floor='0' must be in (0, 1]" in err and "must be a finite number > 0" in err
-    assert "invalid choice: 'x'" in err
+    assert "EssLrConfig.rule='x' is not a known value; valid values: sqrt, linear" in err
 
 
 def test_composed_custom_arguments_keep_the_users():
@@ -116,7 +116,8 @@ def test_hook_with_missing_log_probs_is_a_logged_noop(clean_ess, caplog):
     with caplog.at_level(logging.WARNING, logger="ess_patch"):
         _call(Namespace(use_ess_lr=True), _rollout(log_probs=False))
     assert ess_patch.armed().status == "missing" and ess_patch.armed().scale == 1.0
-    assert "no train log-probs on some rank; ESS-LR is a no-op" in caplog.text
+    assert "this rollout was not measured" in caplog.text
+    assert "Fix: add --get-mismatch-metrics" in caplog.text  # the warning names the fix
 
 
 def test_critic_is_never_armed(clean_ess):
@@ -127,15 +128,24 @@ def test_critic_is_never_armed(clean_ess):
 
 
 def test_settings_come_from_the_flags_else_from_install(clean_ess, monkeypatch):
+    """Through the parser the hosts get (argparse fills in what is not given): every field a
+    flag does not give comes from install()'s config (ESS_LR_* here), a flag given wins."""
     from ess_patch.integrations.rl_hooks import config_from_args
 
     monkeypatch.setenv("ESS_LR_WEIGHT_MODE", "product")
+    monkeypatch.setenv("ESS_LR_FLOOR", "0.3")
+    monkeypatch.setenv("ESS_LR_RULE", "linear")
+    monkeypatch.setenv("ESS_LR_BASE_RATIO", "0.5")
+    monkeypatch.setenv("ESS_LR_NONFINITE", "floor")
     ess_patch.install("megatron")  # no config given: read from ESS_LR_*
-    assert config_from_args(Namespace(use_ess_lr=True)).weight_mode == "product"
-    flags = Namespace(use_ess_lr=True, ess_lr_weight_mode="geometric", ess_lr_floor=0.3)
-    assert (config_from_args(flags).weight_mode, config_from_args(flags).floor) == (
-        "geometric",
-        0.3,
+    parser = add_ess_arguments(argparse.ArgumentParser())
+    from_env = ess_patch.EssLrConfig(
+        floor=0.3, weight_mode="product", rule="linear", base_ratio=0.5, nonfinite="floor"
+    )
+    assert config_from_args(parser.parse_args(["--use-ess-lr"])) == from_env
+    flags = parser.parse_args(["--use-ess-lr", "--ess-lr-weight-mode", "geometric"])
+    assert config_from_args(flags) == ess_patch.EssLrConfig(
+        floor=0.3, weight_mode="geometric", rule="linear", base_ratio=0.5, nonfinite="floor"
     )
 
 

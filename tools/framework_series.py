@@ -95,14 +95,20 @@ WHY = {
 - log_train_step: train/lr_scale, train/rho_ess, ... in the actor's
   extra_metrics;
 - FSDPTrainRayActor._train_core: attaches the FSDP backend's plain torch
-  optimizer, so that its steps are scaled too.""",
+  optimizer, so that its steps are scaled too;
+- MegatronTrainRayActor.train_critic: makes its process the critic before
+  its advantage call (rollout 0 included): never scaled, no policy
+  metrics.""",
     "slime": """\
 - parse_args: the --use-ess-lr / --ess-lr-* flags, composed after
   add_custom_arguments, and their validation;
 - compute_advantages_and_returns: after it runs, the rollout's ESS over
   Megatron's CP, DP-without-CP and PP groups, armed as the LR scale of
   the rollout's optimizer steps (the advantages are untouched);
-- log: train/lr_scale, train/rho_ess, ... in the train/step record.""",
+- log: train/lr_scale, train/rho_ess, ... in the train/step record;
+- MegatronTrainRayActor.train_critic: makes its process the critic before
+  its advantage call (rollout 0 included): never scaled, no policy
+  metrics.""",
     "megatron_rl": """\
 - parse_args: in a Megatron-RL run (megatron.rl.rl_utils imported, as
   train_rl.py does), the --use-ess-lr / --ess-lr-* flags, composed after

@@ -82,7 +82,7 @@ def run(
     figure = out / FIGURE_FILE
     title = (
         f"ess-patch demo: dp={cfg.dp} cp={cfg.cp} pp={cfg.pp}, max lag {cfg.lag}, "
-        f"{cfg.steps} steps, seed {cfg.seed}, {cfg.weight_mode} weights, floor {cfg.floor}"
+        f"{cfg.steps} steps, seed {cfg.seed}, {cfg.ess.weight_mode} weights, floor {cfg.ess.floor}"
     )
     report.write_figure(records, cfg.arms, figure, title)
     summary_path = out / SUMMARY_FILE

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..config import EssLrConfig
 from . import report, stats
 from .train import DemoConfig
 
@@ -41,7 +42,7 @@ STRESS: dict[str, Any] = {
     "clip_grad": 1.0,
     "is_level": "sequence",
     "lag": 16,
-    "weight_mode": "product",
+    "ess": EssLrConfig(weight_mode="product"),
     "arms": STRESS_ARMS,
     "control_of": "product",
 }

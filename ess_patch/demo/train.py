@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -59,7 +59,7 @@ __all__ = ["ARMS", "DemoConfig", "DemoConfigError", "run_rank"]
 
 logger = logging.getLogger(__name__)
 
-#: "off": never armed; "on": ESS-LR with ``weight_mode``; "geometric" / "product": ESS-LR with
+#: "off": never armed; "on": ESS-LR with ``ess``; "geometric" / "product": ESS-LR with
 #: that weight mode; "constant": armed every step with one fixed scale, the mean scale of the
 #: ``control_of`` arm in the same run (a smaller LR that does not look at staleness).
 ARMS = ("off", "on", "geometric", "product", "constant")
@@ -91,9 +91,8 @@ class DemoConfig:
     dp: int = 2
     cp: int = 2
     pp: int = 1
-    floor: float = 0.1
-    weight_mode: str = "geometric"
-    rule: str = "sqrt"
+    #: The ESS-LR settings (the "geometric" / "product" arms override ``weight_mode``).
+    ess: EssLrConfig = field(default_factory=EssLrConfig)
     lr: float = 1e-2
     warmup: int = 10
     clip_grad: float = 1.0
@@ -133,12 +132,8 @@ class DemoConfig:
             raise ValueError(f"DemoConfig.is_level={self.is_level!r}: give one of {IS_LEVELS}")
         if self.lag < 0:
             raise DemoConfigError("lag", self.lag, "must be >= 0")
-        for name in ("floor", "weight_mode", "rule"):
-            try:  # one field at a time, so the error names the field that is wrong
-                EssLrConfig(**{name: getattr(self, name)})
-            except ValueError as exc:
-                problem = str(exc).removeprefix(f"EssLrConfig.{name}={getattr(self, name)!r} ")
-                raise DemoConfigError(name, getattr(self, name), problem) from None
+        if not isinstance(self.ess, EssLrConfig):
+            raise DemoConfigError("ess", self.ess, "must be an ess_patch.EssLrConfig")
 
     @property
     def world_size(self) -> int:
@@ -146,8 +141,9 @@ class DemoConfig:
 
     def ess_config(self, arm_name: str | None = None) -> EssLrConfig:
         """The ESS-LR config of an arm: its own weight mode for "geometric" / "product"."""
-        mode = arm_name if arm_name in ("geometric", "product") else self.weight_mode
-        return EssLrConfig(floor=self.floor, weight_mode=mode, rule=self.rule)
+        if arm_name in ("geometric", "product"):
+            return replace(self.ess, weight_mode=arm_name)
+        return self.ess
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

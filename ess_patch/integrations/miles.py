@@ -9,7 +9,10 @@
 - ``log_train_step`` gets ``lr_scale``, ``rho_ess``... added to ``extra_metrics`` for the
   actor (logged as ``train/lr_scale``...).
 - ``FSDPTrainRayActor._train_core`` attaches the plain torch optimizer before stepping.
-- Refused at parse time: fault-tolerant mode and multi-LoRA (``--multi-lora-n-adapters``).
+- ``MegatronTrainRayActor.train_critic`` makes its process the critic before the advantage
+  hook runs (never measured, scaled or logged as a policy).
+- Refused at parse time: fault-tolerant mode, multi-LoRA (``--multi-lora-n-adapters``),
+  ``--disable-compute-advantages-and-returns`` and the flags that leave no train log-probs.
 
 The shapes (read in the snapshots in ../shared/upstream and miles' public history):
 
@@ -40,6 +43,7 @@ from .rl_hooks import (
     Groups,
     advantage_wrapper,
     common_targets,
+    critic_wrapper,
     ess_metrics,
     rollout_logprobs_only,
 )
@@ -299,7 +303,8 @@ def fsdp_train_core_wrapper(
 # experimental one is optional (absent from the trees the patches/ series are checked on).
 _FSDP = "miles.backends.fsdp_utils.actor"
 _FSDP_EXPERIMENTAL = "miles.backends.experimental.fsdp_utils.actor"
-_ADVANTAGE_SITES = (_LOSS, "miles.backends.megatron_utils.actor", _FSDP)
+_ACTOR = "miles.backends.megatron_utils.actor"
+_ADVANTAGE_SITES = (_LOSS, _ACTOR, _FSDP)
 _LOG_SITES = (_LOG, "miles.backends.megatron_utils.model", _FSDP)
 
 
@@ -325,6 +330,13 @@ MILES = Integration(
             "_train_core",
             fsdp_train_core_wrapper,
             decorator="miles_fsdp_train_core",
+        ),
+        Target(
+            _ACTOR,
+            "MegatronTrainRayActor",
+            "train_critic",
+            critic_wrapper,
+            decorator="miles_train_critic",
         ),
         Target(
             _FSDP_EXPERIMENTAL,

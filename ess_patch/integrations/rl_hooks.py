@@ -1,4 +1,6 @@
-"""What miles and slime share: the flags, their validation, the advantage hook, the metrics.
+"""What miles and slime share: the flags' validation, the advantage hook, the critic, the metrics.
+
+The flags themselves (and the settings they give) are ``flags.py``'s, re-exported here.
 
 Each framework module (``miles.py``, ``slime.py``) supplies a :class:`Framework` with the
 parts that differ (where its process groups live, which combinations can never give train
@@ -10,17 +12,24 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ..config import GRANULARITIES, NONFINITE_POLICIES, RULES, WEIGHT_MODES, EssLrConfig
 from ..patching import MissingTargetError, Target
 from ..result import EssLrResult
 from ..state import STATE, arm, arm_steps, armed, disarm, set_role
 from .binding import bind, call_with
+from .flags import add_ess_arguments, compose_custom_arguments, config_from_args, shadow_requested
 from .shapes import History
 
-__all__ = ["Framework", "Groups", "add_ess_arguments", "config_from_args"]
+__all__ = [
+    "Framework",
+    "Groups",
+    "add_ess_arguments",
+    "compose_custom_arguments",
+    "config_from_args",
+    "shadow_requested",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -72,155 +81,7 @@ def rollout_logprobs_only(args: argparse.Namespace) -> str | None:
     return None
 
 
-# --- flags -------------------------------------------------------------------------------------
-
-
-def _config_field(name: str) -> Callable[[str], Any]:
-    """argparse ``type`` for the flag of config field ``name``: :class:`EssLrConfig`'s own
-    check of that field (its ``ValueError`` becomes argparse's usage error)."""
-
-    def parse(text: str) -> Any:
-        try:
-            return getattr(EssLrConfig(**{name: text}), name)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    parse.__name__ = name  # argparse names the type in some messages
-    return parse
-
-
-def add_ess_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--use-ess-lr`` and its options to a host framework's parser.
-
-    Merges with what the host (a fork, or a second call) already defines: each option the
-    parser lacks is added, each it has is kept as the host wrote it, provided it stores into
-    the attribute ess-patch reads (``args.use_ess_lr``, ``args.ess_lr_floor``...).
-
-    Raises:
-        ValueError: the host defines one of our option strings with another ``dest`` (ESS-LR
-            would silently read a default instead of the user's value).
-    """
-    known = parser._option_string_actions
-    pending: list[tuple[tuple[str, ...], dict[str, Any]]] = []
-
-    class _Collect:
-        def add_argument(self, *flags: str, **kwargs: Any) -> None:
-            pending.append((flags, kwargs))
-
-    _declare_ess_arguments(_Collect())
-    missing = []
-    for flags, kwargs in pending:
-        dest = flags[0].lstrip("-").replace("-", "_")
-        action = known.get(flags[0])
-        if action is None:
-            missing.append((flags, kwargs))
-        elif action.dest != dest:
-            raise ValueError(
-                f"the host parser already defines {flags[0]} with dest={action.dest!r}; "
-                f"ess-patch reads args.{dest}. Rename the host's option or give it "
-                f"dest={dest!r}, so that --use-ess-lr and its options are not silently ignored"
-            )
-    if missing:
-        group = parser.add_argument_group("ESS learning-rate scaling (ess-patch)")
-        for flags, kwargs in missing:
-            group.add_argument(*flags, **kwargs)
-    return parser
-
-
-def _declare_ess_arguments(group: Any) -> None:
-    """Our options, declared once (``add_ess_arguments`` decides which ones to add)."""
-    group.add_argument(
-        "--use-ess-lr",
-        action="store_true",
-        default=False,
-        help="Scale each policy update's LR by clamp(sqrt(ESS/B), floor, 1), ESS from the "
-        "train/rollout log-prob ratios of the rollout (ess-patch). Off by default.",
-    )
-    group.add_argument(
-        "--ess-lr-floor",
-        type=_config_field("floor"),
-        default=0.1,
-        help="Smallest LR scale, in (0, 1] (default 0.1).",
-    )
-    group.add_argument(
-        "--ess-lr-weight-mode",
-        choices=WEIGHT_MODES,
-        default="geometric",
-        help="Trajectory weight: exp(mean log-ratio) ('geometric', length-normalised, gentle) or "
-        "exp(sum) ('product', VCPO's code, brakes hard on long responses).",
-    )
-    group.add_argument(
-        "--ess-lr-rule",
-        choices=RULES,
-        default="sqrt",
-        help="Scale from rho = ESS/B: sqrt(rho/base) (default) or rho/base ('linear').",
-    )
-    group.add_argument(
-        "--ess-lr-base-ratio",
-        type=_config_field("base_ratio"),
-        default=1.0,
-        help="rho is divided by this before the rule (default 1.0: no rescaling).",
-    )
-    group.add_argument(
-        "--ess-lr-nonfinite",
-        choices=NONFINITE_POLICIES,
-        default="raise",
-        help="On a NaN/inf log-ratio: 'raise' on every rank (default) or train at the floor.",
-    )
-    group.add_argument(
-        "--ess-lr-shadow",
-        action="store_true",
-        default=None,  # None: not given, ESS_LR_SHADOW (via install's config) decides
-        help="Compute and log rho/ESS and the scale ESS-LR would apply "
-        "(train/ess_lr_shadow_scale) every rollout, but never change an LR. "
-        "Use without --use-ess-lr.",
-    )
-    group.add_argument(
-        "--ess-lr-granularity",
-        choices=GRANULARITIES,
-        default=None,  # None: not given, ESS_LR_GRANULARITY (via install's config) decides
-        help="'rollout' (default): one ESS over the whole rollout, for each of its optimizer "
-        "steps. 'step': one ESS per optimizer step over that step's mini-batch (VCPO's code).",
-    )
-    group.add_argument(
-        "--ess-lr-weight-clip",
-        type=_config_field("weight_clip"),
-        default=None,  # None: not given, ESS_LR_WEIGHT_CLIP (via install's config) decides
-        help="Clip each trajectory weight to min(w, this) before the ESS (VCPO's use_clipped "
-        "with rollout_is_threshold). Off by default.",
-    )
-
-
-def compose_custom_arguments(
-    user: Callable[[argparse.ArgumentParser], Any] | None,
-) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
-    """The user's ``add_custom_arguments`` followed by ours (both frameworks accept one)."""
-
-    def add(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        if user is not None:
-            returned = user(parser)
-            parser = parser if returned is None else returned
-        return add_ess_arguments(parser)
-
-    return add
-
-
-def config_from_args(args: argparse.Namespace) -> EssLrConfig:
-    """The estimator settings: the ``--ess-lr-*`` flags where the host args have them, else
-    the config given to ``install()`` (itself from ``ESS_LR_*`` by default)."""
-    base = STATE.config or EssLrConfig()
-    values = {f.name: getattr(args, f"ess_lr_{f.name}", None) for f in fields(base)}
-    return EssLrConfig(
-        **{k: getattr(base, k) if v is None else v for k, v in values.items()}  # None: not given
-    )
-
-
-def shadow_requested(args: Any) -> bool:
-    """Whether shadow mode is on: ``--ess-lr-shadow``, else the installed config's ``shadow``."""
-    value = getattr(args, "ess_lr_shadow", None)
-    if value is None:
-        return STATE.config is not None and STATE.config.shadow
-    return bool(value)
+# --- validation --------------------------------------------------------------------------------
 
 
 def validate(framework: Framework, args: argparse.Namespace) -> None:
@@ -257,6 +118,15 @@ def validate(framework: Framework, args: argparse.Namespace) -> None:
     reason = framework.unsupported_reason(args)
     if reason:
         raise ValueError(f"{flag} is not supported with {reason} ({framework.name})")
+    if getattr(args, "compute_advantages_and_returns", True) is False:
+        # miles and slime: store_false into args.compute_advantages_and_returns (meant for
+        # SFT); the actor then never calls the advantage routine ESS-LR hooks into
+        raise ValueError(
+            f"{flag} cannot act with --disable-compute-advantages-and-returns: the actor then "
+            "never computes advantages, where ESS-LR measures each rollout, and the LR would "
+            f"never be scaled ({framework.name}). Drop {flag} or "
+            "--disable-compute-advantages-and-returns"
+        )
     reason = framework.no_input_reason(args)
     if reason:
         raise ValueError(
@@ -264,6 +134,26 @@ def validate(framework: Framework, args: argparse.Namespace) -> None:
             f"{reason}, so ESS-LR would never act ({framework.name}). Drop {flag} or "
             "change that setting"
         )
+
+
+# --- the critic ---------------------------------------------------------------------------------
+
+
+def is_critic(args: Any) -> bool:
+    """Whether this process trains the critic: its train entry ran (:func:`critic_wrapper`,
+    from rollout 0 on) or the host set ``loss_type = "value_loss"`` (from rollout 1 on)."""
+    return STATE.role == "critic" or getattr(args, "loss_type", None) == "value_loss"
+
+
+def critic_wrapper(wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Wrap the critic's train entry (``MegatronTrainRayActor.train_critic``): it calls
+    ``compute_advantages_and_returns`` before it sets ``args.loss_type = "value_loss"`` (miles
+    and slime ``megatron_utils/actor.py``), so the role is taken here, before the advantage
+    hook of the first rollout: the critic never measures, warns, scales or logs as a policy."""
+    set_role("critic")
+    disarm()
+    STATE.shadow = None
+    return wrapped(*args, **kwargs)
 
 
 # --- wrappers ----------------------------------------------------------------------------------
@@ -318,7 +208,7 @@ def advantage_wrapper(framework: Framework) -> Callable[..., Any]:
                 return wrapped(*args, **kwargs)  # disabled: no collective, no state change
             STATE.shadow = None  # a failed rollout must not leave the previous one's logs
             out = wrapped(*args, **kwargs)
-            if getattr(host_args, "loss_type", None) == "value_loss":
+            if is_critic(host_args):
                 set_role("critic")
                 return out
             # the same collectives as enabled; nothing the optimizer wrappers read is touched
@@ -327,7 +217,7 @@ def advantage_wrapper(framework: Framework) -> Callable[..., Any]:
             return out
         disarm()  # if anything below raises, the previous rollout's scale is not reused
         out = wrapped(*args, **kwargs)
-        if getattr(host_args, "loss_type", None) == "value_loss":
+        if is_critic(host_args):
             set_role("critic")  # the critic is never scaled
             disarm()
             return out
@@ -452,11 +342,31 @@ def _mask_preparer(groups: Groups, args: Any, rollout_data: dict) -> Callable[[A
     return prepare
 
 
+#: What to change when a rollout reaches the hook without one of the two log-prob inputs.
+MISSING_FIX = {
+    "log_probs": (
+        "the train log-probs (rollout_data['log_probs']) were not recomputed before the "
+        "advantages: slime >= v0.3.0 skips that forward pass when one optimizer step per rollout "
+        "reuses them inside the loss, and --use-rollout-logprobs without --get-mismatch-metrics "
+        "skips it too. Fix: add --get-mismatch-metrics (forces the log-prob forward: one extra "
+        "forward pass per rollout)"
+    ),
+    "rollout_log_probs": (
+        "the rollout engine returned no log-probs (rollout_data['rollout_log_probs']). Fix: make "
+        "the rollout return them (a custom rollout function must fill "
+        "Sample.rollout_log_probs)"
+    ),
+}
+
+
 def _warn_missing(framework: Framework, rollout_data: dict) -> None:
+    key = "log_probs" if rollout_data.get("log_probs") is None else "rollout_log_probs"
     logger.warning(
-        "ess-patch (%s): this rollout has no %s on some rank; ESS-LR is a no-op for it",
+        "ess-patch (%s): this rollout was not measured, on this rank or another: %s. Its LR is "
+        "not scaled and its metrics say train/ess_lr_measured 0 (no train/lr_scale, "
+        "train/rho_ess)",
         framework.name,
-        "train log-probs" if rollout_data.get("log_probs") is None else "rollout log-probs",
+        MISSING_FIX[key],
     )
 
 
@@ -489,13 +399,19 @@ def common_targets(
 
 
 def ess_metrics() -> dict[str, float]:
-    """The armed result's metrics (keys without ``train/``), else shadow mode's (its would-be
-    scale as ``ess_lr_shadow_scale``, never ``lr_scale``), else {}."""
+    """The metrics to log for this rollout (keys without ``train/``): the armed result's, else
+    shadow mode's (its would-be scale as ``ess_lr_shadow_scale``, never ``lr_scale``), else {}.
+
+    A rollout that was not measured gives only ``ess_lr_measured: 0``
+    (:meth:`EssLrResult.metrics`); a critic process gives {} (it is never scaled)."""
+    if STATE.role == "critic":
+        return {}
     result = armed()
     if result is not None:
         return result.metrics()
     if STATE.shadow is None:
         return {}
     metrics = STATE.shadow.metrics()
-    metrics["ess_lr_shadow_scale"] = metrics.pop("lr_scale")
+    if "lr_scale" in metrics:
+        metrics["ess_lr_shadow_scale"] = metrics.pop("lr_scale")
     return metrics

@@ -8,8 +8,8 @@ call time, where the module moved twice:
 
 | from | train-step log |
 |---|---|
-| v0.2.0 (2025-11-28) | ``slime.utils.tracking_utils.log`` (``utils.logging_utils``: no ``log``) |
-| v0.3.0 (2026-05-31), v0.3.1 | ``slime.utils.logging_utils.log`` |
+| v0.2.0 (2025-11-28), v0.2.1 | ``slime.utils.tracking_utils.log`` (``logging_utils``: no ``log``) |
+| v0.2.2 (2026-01-18) to v0.3.1 (2026-08-06) | ``slime.utils.logging_utils.log`` |
 | 2026-08-21 (main) | ``slime.observability.logging_utils.log`` |
 
 All three are listed as optional targets; the "metrics" aspect, decided when
@@ -31,6 +31,7 @@ from .rl_hooks import (
     Framework,
     Groups,
     common_targets,
+    critic_wrapper,
     ess_metrics,
     rollout_logprobs_only,
 )
@@ -46,8 +47,8 @@ _MPU = "megatron.core.parallel_state"
 #: where the train-step ``log(args, metrics, step_key)`` lives, newest first
 _LOG_MODULES = (
     ("slime.observability.logging_utils", "2026-08-21 to main"),
-    ("slime.utils.logging_utils", "v0.3.0 to v0.3.1"),
-    ("slime.utils.tracking_utils", "v0.2.0 to v0.2.x"),
+    ("slime.utils.logging_utils", "v0.2.2 to v0.3.1"),
+    ("slime.utils.tracking_utils", "v0.2.0 to v0.2.1"),
 )
 
 
@@ -149,7 +150,8 @@ def log_wrapper(wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs
     return call_with(wrapped, call, metrics=logged)
 
 
-_ADVANTAGE_SITES = (_LOSS, "slime.backends.megatron_utils.actor")
+_ACTOR = "slime.backends.megatron_utils.actor"
+_ADVANTAGE_SITES = (_LOSS, _ACTOR)
 
 SLIME = Integration(
     name="slime",
@@ -160,6 +162,13 @@ SLIME = Integration(
         *(
             Target(module, "", "log", log_wrapper, required=False, decorator="slime_log")
             for module, _ in _LOG_MODULES
+        ),
+        Target(
+            _ACTOR,
+            "MegatronTrainRayActor",
+            "train_critic",
+            critic_wrapper,
+            decorator="slime_train_critic",
         ),
     ),
     history=SLIME_HISTORY,

@@ -116,9 +116,17 @@ def miles_metrics() -> dict:
         critic = log_utils.log_train_step(
             args, *common.values(), 4, role="critic", should_log=False
         )
+        ess_patch.arm(ess_patch.EssLrResult.noop("missing"))  # a rollout nothing measured
+        unmeasured = log_utils.log_train_step(args, *common.values(), 4, should_log=False)
     finally:
         ess_patch.disarm()
-    return {"plain": plain, "positional": positional, "keywords": keywords, "critic": critic}
+    return {
+        "plain": plain,
+        "positional": positional,
+        "keywords": keywords,
+        "critic": critic,
+        "unmeasured": unmeasured,
+    }
 
 
 def slime_metrics() -> dict:
@@ -135,17 +143,22 @@ def slime_metrics() -> dict:
         module.log(args, {"train/loss": 1.0, "train/step": 3}, step_key="train/step")
         module.log(args, {"train/loss": 1.0, "train/step": 4}, "train/step")
         module.log(args, {"rollout/x": 1.0, "rollout/step": 3}, step_key="rollout/step")
+        ess_patch.arm(ess_patch.EssLrResult.noop("missing"))  # a rollout nothing measured
+        module.log(args, {"train/loss": 1.0, "train/step": 5}, step_key="train/step")
     finally:
         ess_patch.disarm()
     return {"module": module.__name__, "logged": logged}
 
 
 def parse_checks(fw: str) -> dict:
+    from ess_patch.integrations.flags import config_from_args
+
     def attempt(argv):
         try:
             with contextlib.redirect_stderr(io.StringIO()):
                 args = parse_upstream_args(fw, [*MINIMAL_ARGV, *BATCH, *argv])
-            return {"use_ess_lr": args.use_ess_lr, "floor": args.ess_lr_floor}
+            # the floor the hook uses (the option itself is None when not given)
+            return {"use_ess_lr": args.use_ess_lr, "floor": config_from_args(args).floor}
         except (ValueError, SystemExit, AssertionError) as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
 

@@ -142,10 +142,13 @@ def test_each_snapshot_gets_its_shape_metrics_flags_and_clear_errors(fw, folder,
                 **METRICS,
             }, call
         assert not any(k.endswith(("lr_scale", "rho_ess")) for k in metrics["critic"])
+        # not measured: said so, with nothing that looks like a measurement
+        assert metrics["unmeasured"] == {**metrics["plain"], "train/ess_lr_measured": 0.0}
     else:
         assert metrics["module"] == log_module
-        first, armed, positional, rollout = metrics["logged"]
+        first, armed, positional, rollout, unmeasured = metrics["logged"]
         assert first == {"train/loss": 1.0, "train/step": 3}
+        assert unmeasured == {"train/loss": 1.0, "train/step": 5, "train/ess_lr_measured": 0.0}
         assert armed == {"train/loss": 1.0, "train/step": 3, **METRICS}
         assert positional == {"train/loss": 1.0, "train/step": 4, **METRICS}
         assert rollout == {"rollout/x": 1.0, "rollout/step": 3}

@@ -440,7 +440,11 @@ def test_flags_through_megatrons_parse_args_with_a_user_provider(installed):
         ["--use-ess-lr", "--ess-lr-floor", "0.3", "--rl-inference-logprobs-is-correction"], user
     )
     assert args.use_ess_lr and args.ess_lr_floor == 0.3 and args.my_flag == 7
-    assert args.ess_lr_weight_mode == "geometric"
+    from ess_patch import EssLrConfig
+    from ess_patch.integrations.flags import config_from_args
+
+    assert args.ess_lr_weight_mode is None  # not given: the installed config decides
+    assert config_from_args(args) == EssLrConfig(floor=0.3)
     plain = _parse([])
     assert plain.use_ess_lr is False
 
@@ -461,7 +465,7 @@ def test_initialize_megatron_parses_through_the_hook(installed):
         args = initialize.parse_args(user, False)
     finally:
         sys.argv = old
-    assert args.use_ess_lr and args.my_flag == 3 and args.ess_lr_floor == 0.1
+    assert args.use_ess_lr and args.my_flag == 3 and args.ess_lr_floor is None  # not given
 
 
 def test_no_inference_logprobs_is_a_startup_error(installed):

@@ -1,0 +1,177 @@
+"""The README's launch on ONE snapshot's real code, in a fresh process (run by test_launch.py).
+
+    ESS_LR_...=... python launch_probe.py FRAMEWORK SNAPSHOT_FOLDER OUT.json
+
+Does what a user's ``train.py`` does: ``import ess_patch; ess_patch.install()`` (every
+integration, ``ESS_LR_*`` read from this process's environment) before the framework is
+imported, then the framework's real ``parse_args``. Writes plain data for the test to compare
+with its expectations: per argv, the settings ``config_from_args`` gives (or the error); then,
+after a re-install with no ``ESS_LR_*``, the same for the flags alone; and the critic's real
+``MegatronTrainRayActor.train_critic`` run up to its train step (its model calls replaced),
+with the role seen by the advantage hook and what the real train-step log function logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import json
+import logging
+import os
+import sys
+import traceback
+from argparse import Namespace
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+from upstream import MINIMAL_ARGV, parse_upstream_args, use_snapshot  # noqa: E402
+
+# slime v0.2.0 validates rollout_batch_size * n_samples_per_prompt % global_batch_size
+BATCH = ("--global-batch-size", "4")
+
+
+def parse(fw: str, argv: list[str]) -> dict:
+    from ess_patch.integrations.flags import config_from_args
+
+    try:  # argparse's own errors go to this process's stderr (the test shows its tail)
+        args = parse_upstream_args(fw, [*MINIMAL_ARGV, *BATCH, *argv])
+        return {"config": dataclasses.asdict(config_from_args(args)), "use": args.use_ess_lr}
+    except SystemExit as exc:
+        return {"error": f"SystemExit {exc.code}"}
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+class _Stop(Exception):
+    """Ends train_critic at its train step (the model's training is not under test)."""
+
+
+class _Anything:
+    """What the replaced model calls return: unpacks into two, takes any attribute."""
+
+    def __iter__(self):
+        return iter((_Anything(), _Anything()))
+
+    def __len__(self):
+        return 1
+
+    def __getattr__(self, name):
+        return _Anything()
+
+    def __call__(self, *args, **kwargs):
+        return _Anything()
+
+
+def critic(fw: str, argv: list[str]) -> dict:
+    """The real train_critic (wrapped by install()), its forward/train calls replaced: the
+    role when its advantage call runs (rollout 0: loss_type is still policy_loss), and the
+    train-step record the real log function writes for the critic afterwards."""
+    import wrapt
+
+    import ess_patch
+    from ess_patch.state import STATE
+
+    actor = importlib.import_module(f"{fw}.backends.megatron_utils.actor")
+    args = parse_upstream_args(fw, [*MINIMAL_ARGV, *BATCH, *argv])
+    args.num_critic_only_steps = 10**9  # no actor-critic data sync at rollout 0
+    seen: dict = {}
+    installed = vars(actor)["compute_advantages_and_returns"]
+    takes_state = "parallel_state" in inspect.signature(installed.__wrapped__).parameters
+
+    if takes_state:
+
+        def compute_advantages_and_returns(args, parallel_state, rollout_data):
+            seen.update(role=STATE.role, loss_type=args.loss_type)
+    else:
+
+        def compute_advantages_and_returns(args, rollout_data):
+            seen.update(role=STATE.role, loss_type=args.loss_type)
+
+    def train(*a, **k):
+        raise _Stop
+
+    replaced = {
+        "get_data_iterator": lambda *a, **k: _Anything(),
+        "forward_only": lambda *a, **k: {},
+        # the advantage routine behind ess-patch's own installed wrapper (the real one needs
+        # process groups; the role check happens in the wrapper, before anything is computed)
+        "compute_advantages_and_returns": wrapt.FunctionWrapper(
+            compute_advantages_and_returns, installed._self_wrapper
+        ),
+        "train": train,
+    }
+    saved = {name: vars(actor)[name] for name in replaced}
+    vars(actor).update(replaced)
+    rollout_data = {"num_microbatches": [1], "global_batch_sizes": [4], "log_probs": None}
+    host = _Anything()  # the actor's self: model, optimizer... never really used
+    host.args = args
+    records: list = []  # ess-patch's warnings: the critic must have none
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logging.getLogger("ess_patch").addHandler(handler)
+    try:
+        actor.MegatronTrainRayActor.train_critic(host, 0, rollout_data)
+    except _Stop:
+        pass
+    finally:
+        vars(actor).update(saved)
+        logging.getLogger("ess_patch").removeHandler(handler)
+    out = {
+        "wrapped": ess_patch.patching.is_ours(vars(actor.MegatronTrainRayActor)["train_critic"]),
+        "seen": seen,
+        "warnings": [r.getMessage() for r in records],
+        "role_after": STATE.role,
+        "logged": critic_log(fw),
+    }
+    return out
+
+
+def critic_log(fw: str) -> dict:
+    """What the critic's train-step record holds through the real log function."""
+    if fw == "miles":
+        from miles.backends.training_utils import log_utils
+
+        return log_utils.log_train_step(
+            Namespace(), {"value_loss": 1.0}, 0.5, 0, 0, 1, role="critic", should_log=False
+        )
+    from ess_patch.integrations.slime import SLIME_HISTORY
+
+    importlib.import_module("slime.backends.megatron_utils.model")
+    module = importlib.import_module(SLIME_HISTORY.choose("metrics").label.rsplit(".", 1)[0])
+    logged: list = []
+    module.wandb = Namespace(log=logged.append)
+    args = Namespace(use_wandb=True, use_tensorboard=False)
+    module.log(args, {"train/critic-value_loss": 1.0, "train/step": 0}, step_key="train/step")
+    return logged[0]
+
+
+def main(fw: str, folder: str, out_path: str, cases_json: str) -> None:
+    use_snapshot(fw, folder, "full")
+    cases = json.loads(cases_json)
+    report: dict = {}
+    try:
+        import ess_patch
+
+        ess_patch.install()  # the README's recipe: every integration, before the framework
+        from ess_patch.install import INSTALLATION, failed_integrations
+
+        report["integrations"] = sorted(INSTALLATION.patches or {})
+        report["env"] = {name: parse(fw, argv) for name, argv in cases["env"].items()}
+        # the same flags without any ESS_LR_*: a fresh install() reads the cleared environment
+        ess_patch.uninstall()
+        for key in [k for k in os.environ if k.startswith("ESS_LR_")]:
+            del os.environ[key]
+        ess_patch.install()
+        report["plain"] = {name: parse(fw, argv) for name, argv in cases["plain"].items()}
+        report["critic"] = critic(fw, cases["critic"])
+        report["failed"] = failed_integrations()
+    except BaseException:
+        report["crash"] = traceback.format_exc()
+    Path(out_path).write_text(json.dumps(report, default=repr))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])

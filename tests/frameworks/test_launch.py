@@ -1,0 +1,180 @@
+"""The README's launch on every miles and slime snapshot (``upstream.snapshots()``), on the
+Megatron tree it runs on (``MEGATRON_LM_SRC``: megatron-lm-2e64d788b, which has megatron/rl):
+``import ess_patch; ess_patch.install()`` with every integration, in a fresh interpreter,
+then the framework's real ``parse_args`` (``launch_probe.py``).
+
+- the settings reach the hook with one precedence, every field checked: (a) the flags only,
+  (b) ``ESS_LR_*`` only, (c) both (the flags win), and neither (the defaults);
+- ``--disable-compute-advantages-and-returns`` with ``--use-ess-lr`` or ``--ess-lr-shadow`` is
+  refused when the arguments are parsed, naming the flag; alone it parses;
+- the critic: the real ``train_critic`` (its model calls replaced) runs the advantage hook
+  with the process already the critic (at rollout 0 ``loss_type`` is still the policy's), no
+  warning, and its train-step record through the real log function has no ESS metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+from upstream import snapshots, tier_reason
+
+from ess_patch import EssLrConfig
+
+PROBE = Path(__file__).resolve().parent / "launch_probe.py"
+
+FLAGS = EssLrConfig(
+    floor=0.2,
+    weight_mode="product",
+    rule="linear",
+    base_ratio=0.5,
+    nonfinite="floor",
+    granularity="step",
+    weight_clip=3.0,
+)
+FLAG_ARGV = [
+    "--ess-lr-floor",
+    "0.2",
+    "--ess-lr-weight-mode",
+    "product",
+    "--ess-lr-rule",
+    "linear",
+    "--ess-lr-base-ratio",
+    "0.5",
+    "--ess-lr-nonfinite",
+    "floor",
+    "--ess-lr-granularity",
+    "step",
+    "--ess-lr-weight-clip",
+    "3",
+]
+ENV = {
+    "ESS_LR_FLOOR": "0.3",
+    "ESS_LR_WEIGHT_MODE": "product",
+    "ESS_LR_RULE": "linear",
+    "ESS_LR_BASE_RATIO": "0.25",
+    "ESS_LR_NONFINITE": "floor",
+    "ESS_LR_GRANULARITY": "step",
+    "ESS_LR_WEIGHT_CLIP": "5",
+}
+FROM_ENV = EssLrConfig(
+    floor=0.3,
+    weight_mode="product",
+    rule="linear",
+    base_ratio=0.25,
+    nonfinite="floor",
+    granularity="step",
+    weight_clip=5.0,
+)
+DISABLE = "--disable-compute-advantages-and-returns"
+CASES = {
+    "env": {  # install() read ENV
+        "env_only": ["--use-ess-lr"],
+        "both": ["--use-ess-lr", *FLAG_ARGV],
+        "one_flag": ["--use-ess-lr", "--ess-lr-floor", "0.7", "--ess-lr-weight-clip", "none"],
+    },
+    "plain": {  # no ESS_LR_* at all
+        "flags_only": ["--use-ess-lr", *FLAG_ARGV],
+        "neither": ["--use-ess-lr"],
+        "off": [],
+        "disabled_advantages": ["--use-ess-lr", DISABLE],
+        "disabled_advantages_shadow": ["--ess-lr-shadow", DISABLE],
+        "sft": [DISABLE],
+    },
+    "critic": ["--use-ess-lr"],
+}
+
+
+def _params():
+    found = snapshots()
+    if not found:
+        reason = "no upstream snapshot (set ESS_PATCH_UPSTREAM, MILES_SRC or SLIME_SRC)"
+        return [pytest.param(None, None, marks=pytest.mark.skip(reason=reason))]
+    return [
+        pytest.param(
+            fw,
+            folder,
+            id=folder.name,
+            marks=pytest.mark.skipif(
+                tier_reason(fw, "full") is not None, reason=tier_reason(fw, "full") or ""
+            ),
+        )
+        for fw, folder in found
+    ]
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    cache: dict[Path, dict] = {}
+
+    def get(fw: str, folder: Path) -> dict:
+        if folder not in cache:
+            out = tmp_path_factory.mktemp(folder.name) / "report.json"
+            env = {k: v for k, v in os.environ.items() if not k.startswith("ESS_")}
+            env.update(ENV, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+            proc = subprocess.run(
+                [sys.executable, str(PROBE), fw, str(folder), str(out), json.dumps(CASES)],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert out.exists(), proc.stderr[-3000:]
+            report = json.loads(out.read_text())
+            assert "crash" not in report, report["crash"]
+            cache[folder] = report
+        return cache[folder]
+
+    return get
+
+
+def _config(result: dict) -> dict:
+    assert "error" not in result, result["error"]
+    return result["config"]
+
+
+@pytest.mark.parametrize(("fw", "folder"), _params())
+def test_the_settings_reach_the_hook_with_one_precedence(fw, folder, reports):
+    report = reports(fw, folder)
+    # the README's install(): every integration, Megatron-RL's included, and none rolled back
+    assert "megatron_rl" in report["integrations"] and fw in report["integrations"]
+    assert report["failed"] == {}
+    env, plain = report["env"], report["plain"]
+    assert _config(plain["flags_only"]) == asdict(FLAGS)  # (a)
+    assert _config(env["env_only"]) == asdict(FROM_ENV)  # (b)
+    assert _config(env["both"]) == asdict(FLAGS)  # (c): a flag given wins
+    one = _config(env["one_flag"])
+    assert one == asdict(EssLrConfig(**{**asdict(FROM_ENV), "floor": 0.7, "weight_clip": None}))
+    assert _config(plain["neither"]) == asdict(EssLrConfig())
+    assert plain["off"]["use"] is False and plain["flags_only"]["use"] is True
+
+
+@pytest.mark.parametrize(("fw", "folder"), _params())
+def test_disabled_advantages_are_refused_at_parse_time(fw, folder, reports):
+    plain = reports(fw, folder)["plain"]
+    for case, flag in (
+        ("disabled_advantages", "--use-ess-lr"),
+        ("disabled_advantages_shadow", "--ess-lr-shadow"),
+    ):
+        error = plain[case].get("error", "")
+        assert error.startswith(f"ValueError: {flag} cannot act with {DISABLE}"), plain[case]
+        assert f"({fw})" in error and f"Drop {flag} or {DISABLE}" in error
+    assert _config(plain["sft"]) == asdict(EssLrConfig())  # without ESS-LR: SFT parses
+
+
+@pytest.mark.parametrize(("fw", "folder"), _params())
+def test_the_critic_is_the_critic_from_rollout_zero(fw, folder, reports):
+    critic = reports(fw, folder)["critic"]
+    assert critic["wrapped"] is True
+    # the real train_critic: its advantage call comes before it sets loss_type
+    assert critic["seen"] == {"role": "critic", "loss_type": "policy_loss"}
+    assert critic["warnings"] == [] and critic["role_after"] == "critic"
+    logged = critic["logged"]
+    assert logged and not any(
+        key.endswith(("lr_scale", "rho_ess", "ess", "ess_lr_measured")) for key in logged
+    ), logged
