@@ -184,7 +184,7 @@ _ALLOWED = {
     "base_ratio": "a finite number > 0 (e.g. 1.0)",
     "shadow": "1, 0, true or false",
     "weight_clip": "a finite number > 0, or none (no clipping)",
-    **{name: ", ".join(choices) for name, choices in _CHOICES.items()},
+    **{name: ", ".join(choices) for name, choices in CHOICES.items()},
 }
 
 

@@ -15,8 +15,8 @@ Per step (= one rollout, one optimizer step):
    engine keeps the log-probs it sampled with.
 2. Forward through the pipeline (gloo send/recv between stages); each CP rank computes the
    train log-probs of its zigzag chunk of every trajectory's response.
-3. Last stage: ``compute_ess_lr`` with the CP and DP groups; ``broadcast_from_last_stage``
-   over PP; in the "on" arm ``ess_patch.arm(result)``.
+3. Every stage: ``compute_ess_lr`` with the CP, DP and PP groups (the last stage computes,
+   every stage gets the result or the same error); in the "on" arm ``ess_patch.arm(result)``.
 4. Backward of the token-level importance-weighted policy gradient
    ``-A_i * exp(logp_t - rollout_logp_t)`` (no clipping of the ratio), DDP grad reduction
    over DP x CP, ``optimizer.step()`` (the patched step applies the armed scale),
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import EssLrConfig, arm, broadcast_from_last_stage, compute_ess_lr, disarm
+from .. import EssLrConfig, arm, compute_ess_lr, disarm
 from ..cp_slicing import local_response_masks, zigzag_response_ranges
 from .cpu import megatron_on_cpu
 from .task import (
@@ -336,22 +336,24 @@ def _train_arm(
         if not last:
             dist.send(out.detach(), dst=lay.pp_peer(lay.pp_rank + 1))
 
-        # 3. ESS on the last stage, over CP and DP; broadcast over PP; arm
-        result = stats = None
+        # 3. ESS: one call on every stage (the last computes over CP and DP, every stage
+        # gets its result or its error); arm
+        stats = None
+        detached = None
         if last:
             logp = torch.log_softmax(out.float(), dim=-1)
             logp = logp.gather(1, tokens.reshape(-1, 1)).view(n_traj, idx.numel())
             detached = logp.detach()
-            result = compute_ess_lr(
-                list(detached),
-                list(rollout_logp),
-                local_masks,
-                config=ess_config,
-                cp_group=lay.cp_group,
-                dp_group=lay.dp_group,
-            )
             stats = _step_stats(detached, rollout_logp, mask, batch, lay)
-        result = broadcast_from_last_stage(result, lay.pp_group)
+        result = compute_ess_lr(
+            list(detached) if last else None,
+            list(rollout_logp) if last else None,
+            local_masks if last else None,
+            config=ess_config,
+            cp_group=lay.cp_group,
+            dp_group=lay.dp_group,
+            pp_group=lay.pp_group,
+        )
         if arm_name in ("on", "geometric", "product"):
             scales.append(arm(result).scale)
         elif arm_name == "constant":
