@@ -79,6 +79,7 @@ def reset() -> None:
     STATE.excluded = weakref.WeakSet()
     STATE.local = threading.local()
     STATE.warned_no_effect = False
+    STATE.applied_elsewhere = False
     STATE.shapes = {}
     STATE.signatures = weakref.WeakKeyDictionary()
 
