@@ -219,22 +219,24 @@ def _tensors(data: Any) -> tuple[Any, Any, Any]:
     return batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"]
 
 
-def _refuse_bypass(old: Any, rollout: Any) -> Callable[[Any], Any]:
-    """``prepare_masks`` for :func:`compute_ess_lr`: raise (on every rank, through its
-    envelopes) when the old log-probs ARE the rollout log-probs on every counted token."""
+def _prepare(fault: Exception | None, old: Any, rollout: Any) -> Callable[[Any], Any]:
+    """``prepare_masks`` for :func:`compute_ess_lr`, run under its error handling, so that
+    what it raises reaches every DP rank: this rank's ``fault`` (a missing key), or a refusal
+    when the old log-probs ARE the rollout log-probs on every counted token."""
 
     def prepare(masks: Any) -> Any:
         import torch
 
+        if fault is not None:
+            raise fault
         mask = torch.stack([m.bool() for m in masks]) if len(masks) else None
-        if mask is not None and bool(mask.any()):
-            if torch.equal(old[mask], rollout[mask]):
-                raise ValueError(
-                    "ESS-LR (verl): old_log_probs equal rollout_log_probs on every token "
-                    "(algorithm.rollout_correction.bypass_mode=True copies them): the ratio is "
-                    "1 and the ESS would measure nothing. Turn bypass_mode off (verl then "
-                    "recomputes old_log_probs with the current weights) or ESS-LR off"
-                )
+        if mask is not None and bool(mask.any()) and torch.equal(old[mask], rollout[mask]):
+            raise ValueError(
+                "ESS-LR (verl): old_log_probs equal rollout_log_probs on every token "
+                "(algorithm.rollout_correction.bypass_mode=True copies them): the ratio is "
+                "1 and the ESS would measure nothing. Turn bypass_mode off (verl then "
+                "recomputes old_log_probs with the current weights) or ESS-LR off"
+            )
         return masks
 
     return prepare
@@ -251,14 +253,18 @@ def compute_batch(data: Any, config: EssLrConfig, groups: Groups | None = None) 
     error: BaseException | None = None
     try:
         if groups.is_pp_last:
-            old, rollout, mask = _tensors(data)
+            fault: Exception | None = None
+            old = rollout = mask = None
+            try:
+                old, rollout, mask = _tensors(data)
+            except ValueError as exc:  # still enter the DP collectives, flagged
+                fault = exc
+            rows = [[] if t is None else list(t) for t in (old, rollout, mask)]
             out = compute_ess_lr(
-                list(old),
-                list(rollout),
-                list(mask),
+                *rows,
                 config=config,
                 dp_group=groups.dp_group,
-                prepare_masks=_refuse_bypass(old, rollout),
+                prepare_masks=_prepare(fault, old, rollout),
             )
     except Exception as exc:
         error = exc  # the other pipeline stages learn of it through the broadcast
@@ -266,6 +272,56 @@ def compute_batch(data: Any, config: EssLrConfig, groups: Groups | None = None) 
 
 
 # --- wrappers ----------------------------------------------------------------------------------
+
+
+def _undecorated(function: Any) -> Any:
+    """The function under verl's decorators: ``__wrapped__`` where set, and the closure of
+    ``GPUMemoryLogger`` (on ``update_policy`` and ``update_critic``), which wraps its
+    ``decorated_function`` in ``f(*args, **kwargs)`` without ``functools.wraps``."""
+    for _ in range(8):  # a few layers at most; never loop on a self-referencing wrapper
+        inner = getattr(function, "__wrapped__", None)
+        code = getattr(function, "__code__", None)
+        cells = getattr(function, "__closure__", None)
+        if (
+            inner is None
+            and code is not None
+            and cells
+            and "decorated_function" in code.co_freevars
+        ):
+            inner = cells[code.co_freevars.index("decorated_function")].cell_contents
+        if inner is None:
+            return function
+        function = inner
+    return function
+
+
+class _MethodFeature(Feature):
+    """A method that takes ``parameters`` by name once verl's decorators are looked through."""
+
+    def missing(self) -> str | None:
+        import importlib
+        import inspect
+
+        holder: Any = importlib.import_module(self.module)
+        for part in self.symbol.split("."):
+            holder = getattr(holder, part, None)
+            if holder is None:
+                return f"{self.module}.{self.symbol} does not exist"
+        names = inspect.signature(_undecorated(holder)).parameters
+        lacking = [p for p in self.parameters if p not in names]
+        if lacking:
+            return f"{self.module}.{self.symbol} has no parameter {', '.join(lacking)}"
+        return None
+
+
+def _bind_method(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """The call's arguments by name (``self`` included), read from the undecorated method."""
+    return bind(_undecorated(wrapped), (instance, *args), kwargs)
+
+
+def _call_method(wrapped: Any, call: Any, **changes: Any) -> Any:
+    call.arguments.update(changes)
+    return wrapped(*call.args[1:], **call.kwargs)  # ``wrapped`` is bound: no ``self``
 
 
 def _each(
@@ -308,7 +364,7 @@ def minibatch_iterator_wrapper(
     chosen = settings(getattr(instance, "config", None))
     if chosen is None or chosen.config.granularity != "rollout":
         return out
-    call = bind(wrapped, args, kwargs)
+    call = _bind_method(wrapped, instance, args, kwargs)
     data = None if call is None else call.arguments.get("data")
     vars(instance)[_ROLLOUT_RESULT] = compute_batch(data, chosen.config)
     return out
@@ -322,7 +378,7 @@ def update_policy_wrapper(
     chosen = None if instance is None else settings(getattr(instance, "config", None))
     if chosen is None:
         return wrapped(*args, **kwargs)  # off: no collective, no LR write
-    call = bind(wrapped, args, kwargs)
+    call = _bind_method(wrapped, instance, args, kwargs)
     if call is None or "dataloader" not in call.arguments:
         raise MissingTargetError(
             f"ess-patch (verl): {getattr(wrapped, '__qualname__', wrapped)} takes no dataloader "
@@ -344,7 +400,7 @@ def update_policy_wrapper(
     optimizer = getattr(instance, "actor_optimizer", None)
     attached = chosen.enabled and _attach(optimizer)
     try:
-        metrics = call_with(wrapped, call, dataloader=loader)
+        metrics = _call_method(wrapped, call, dataloader=loader)
     finally:
         if chosen.enabled:
             disarm()  # the critic, and anything after the actor's update, is never scaled
@@ -391,9 +447,11 @@ def _without_key(wrapped: Callable[..., Any], call: Any, node: Any) -> Any:
     try:
         from omegaconf import DictConfig, open_dict
     except ImportError:  # pragma: no cover - verl depends on omegaconf
-        DictConfig = ()  # type: ignore[assignment]  # noqa: N806
+        DictConfig = ()  # type: ignore[assignment]
     if not isinstance(node, DictConfig):
-        return call_with(wrapped, call, config={k: v for k, v in node.items() if k != "ess_scaling"})
+        return call_with(
+            wrapped, call, config={k: v for k, v in node.items() if k != "ess_scaling"}
+        )
     saved = node._get_node("ess_scaling")
     with open_dict(node):
         del node["ess_scaling"]
@@ -431,8 +489,10 @@ VERL_HISTORY = History(
                     "MegatronPPOActor.update_policy(dataloader) over make_minibatch_iterator(data)",
                     "v0.7.0 to main",
                     (
-                        Feature(_ACTOR, "MegatronPPOActor.update_policy", ("dataloader",)),
-                        Feature(_ACTOR, "MegatronPPOActor.make_minibatch_iterator", ("data",)),
+                        _MethodFeature(_ACTOR, "MegatronPPOActor.update_policy", ("dataloader",)),
+                        _MethodFeature(
+                            _ACTOR, "MegatronPPOActor.make_minibatch_iterator", ("data",)
+                        ),
                     ),
                 ),
             ),

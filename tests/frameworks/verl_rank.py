@@ -1,0 +1,182 @@
+"""What one rank runs in the verl tests: verl's REAL Megatron actor (and critic) on CPU.
+
+Real: ``MegatronPPOActor.make_minibatch_iterator`` / ``update_policy``,
+``MegatronPPOCritic.update_critic``, ``DataProto`` and its iterator, megatron-core's
+optimizer (built on CPU by ``tests/megatron_cpu.py``), megatron's process groups, ess-patch's
+``install("verl")``. Not real, because it cannot run on CPU: the model. Each actor's
+``forward_backward_batch`` (not wrapped by ess-patch) is replaced on the instance by a DDP
+forward/backward of megatron_cpu's tiny net, which also records which samples the mini-batch
+held (their id is ``input_ids[:, 0]``: ``make_minibatch_iterator`` keeps only verl's keys).
+Two CPU shims: ``transformers.AutoModelForVision2Seq`` (verl imports this transformers<5
+name; the frameworks tier pins transformers 5, which calls it ``AutoModelForImageTextToText``)
+and ``torch.cpu.empty_cache`` (``update_policy`` ends with ``get_torch_device().empty_cache()``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+
+#: the batch every test uses: N trajectories of R response tokens, split over DP by verl's
+#: contiguous chunking
+N, R, PROMPT = 8, 6, 3
+
+
+def global_batch(seed: int, *, bypass: bool = False) -> dict[str, torch.Tensor]:
+    """old / rollout log-probs and masks of the whole rollout (float32, as verl's batch).
+
+    Per-trajectory offsets make the mini-batches' ESS differ; trajectory 5 has no counted
+    token (left out of the ESS).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    rollout = -torch.rand(N, R, generator=gen) * 2.0
+    offsets = torch.linspace(-0.6, 0.5, N).unsqueeze(1)
+    old = rollout + offsets + 0.05 * torch.randn(N, R, generator=gen)
+    mask = (torch.rand(N, R, generator=gen) > 0.25).to(torch.int64)
+    mask[:, 0] = 1
+    mask[5] = 0
+    if bypass:
+        old = rollout.clone()
+    return {"old_log_probs": old.float(), "rollout_log_probs": rollout.float(), "mask": mask}
+
+
+def _import_verl(src: str) -> None:
+    sys.path.insert(0, src)
+    import transformers
+
+    if not hasattr(transformers, "AutoModelForVision2Seq"):
+        transformers.AutoModelForVision2Seq = transformers.AutoModelForImageTextToText
+    if not hasattr(torch.cpu, "empty_cache"):
+        torch.cpu.empty_cache = lambda: None
+
+
+def _config(scenario: dict) -> Any:
+    from omegaconf import OmegaConf
+
+    node = {
+        "ppo_mini_batch_size": scenario.get("mini_batch", 2),
+        "ppo_micro_batch_size_per_gpu": 2,
+        "ppo_epochs": scenario.get("epochs", 1),
+        "data_loader_seed": 7,
+        "shuffle": scenario.get("shuffle", False),
+        "use_kl_loss": False,
+        "entropy_coeff": 0.0,
+        "use_dynamic_bsz": False,
+        "ppo_max_token_len_per_gpu": 64,
+        "megatron": {"context_parallel_size": 1},
+        "router_replay": {"mode": "disabled"},
+    }
+    if "ess_scaling" in scenario:
+        node["ess_scaling"] = scenario["ess_scaling"]
+    return OmegaConf.create(node)
+
+
+def _local(scenario: dict, dp_rank: int, dp_size: int) -> Any:
+    from verl import DataProto
+
+    full = global_batch(scenario.get("seed", 0), bypass=scenario.get("bypass", False))
+    ids = torch.arange(N)
+    input_ids = torch.cat([ids.unsqueeze(1), torch.ones(N, PROMPT + R - 1, dtype=torch.long)], 1)
+    tensors = {
+        "old_log_probs": full["old_log_probs"],
+        "rollout_log_probs": full["rollout_log_probs"],
+        "response_mask": full["mask"],
+        "responses": torch.ones(N, R, dtype=torch.long),
+        "input_ids": input_ids,
+        "attention_mask": torch.ones(N, PROMPT + R, dtype=torch.long),
+        "position_ids": torch.arange(PROMPT + R).expand(N, -1).clone(),
+        "advantages": torch.zeros(N, R),
+    }
+    if scenario.get("no_rollout_log_probs"):
+        del tensors["rollout_log_probs"]
+    data = DataProto.from_dict(tensors=tensors, meta_info={"micro_batch_size": 2})
+    return data.chunk(dp_size)[dp_rank]  # verl's dispatch: contiguous chunks by DP rank
+
+
+def _lr_recorder(optimizer: Any, into: list) -> None:
+    """Record each inner torch optimizer's LRs as its update runs (observation only)."""
+    for child in getattr(optimizer, "chained_optimizers", [optimizer]):
+        child.optimizer.register_step_pre_hook(
+            lambda opt, _a, _k: into.append([g["lr"] for g in opt.param_groups])
+        )
+
+
+def _stand_in_forward(setup: Any, seen: list, key: str) -> Any:
+    from megatron_cpu import batch, forward_backward
+
+    def forward_backward_batch(data: Any, **_kwargs: Any) -> dict:
+        seen.append(data.batch["input_ids"][:, 0].tolist())
+        x, y = batch(len(seen), 0)
+        forward_backward(setup, x, y)
+        return {"output": [[{key: 0.0}, None]] if key.startswith("actor") else [{key: 0.0}]}
+
+    return forward_backward_batch
+
+
+def run(src: str, scenario: dict) -> dict:
+    """One rank: install, build the real actor (and critic), run one update; report."""
+    os.environ.update(scenario.get("env", {}))
+    _import_verl(src)
+    import ess_patch
+
+    ess_patch.install(scenario.get("integrations", "verl"))
+    from megatron.core import parallel_state as mpu
+    from megatron_cpu import build_megatron_optimizer
+    from verl.workers.actor.megatron_actor import MegatronPPOActor
+    from verl.workers.critic.megatron_critic import MegatronPPOCritic
+
+    from ess_patch.demo.cpu import megatron_on_cpu
+
+    dp_rank = mpu.get_data_parallel_rank(with_context_parallel=False)
+    dp_size = mpu.get_data_parallel_world_size(with_context_parallel=False)
+    out: dict[str, Any] = {
+        "coords": (dp_rank, mpu.get_context_parallel_rank(), mpu.get_pipeline_model_parallel_rank())
+    }
+    with megatron_on_cpu():
+        actor_setup = build_megatron_optimizer("fp32", optimizer="adam", seed=1)
+        critic_setup = build_megatron_optimizer("fp32", optimizer="adam", seed=2)
+        actor = object.__new__(MegatronPPOActor)  # the model cannot be built on CPU
+        vars(actor).update(
+            config=_config(scenario),
+            actor_module=actor_setup.models,
+            actor_optimizer=actor_setup.optimizer,
+            enable_routing_replay=False,
+            use_torch_profiler=False,
+            prof=None,
+        )
+        seen: list = []
+        actor.forward_backward_batch = _stand_in_forward(actor_setup, seen, "actor/pg_loss")
+        applied: list = []
+        _lr_recorder(actor_setup.optimizer, applied)
+        out["scheduled"] = [g["lr"] for g in actor_setup.optimizer.param_groups]
+        try:
+            loader = actor.make_minibatch_iterator(_local(scenario, dp_rank, dp_size))
+            out["metrics"] = actor.update_policy(dataloader=loader)
+        except Exception as exc:  # reported, not raised: the test compares every rank's error
+            out["error"] = f"{type(exc).__name__}: {exc}"
+        out.update(seen=seen, applied=applied)
+        out["after"] = [g["lr"] for g in actor_setup.optimizer.param_groups]
+        out["armed_after"] = ess_patch.armed()
+
+        critic = object.__new__(MegatronPPOCritic)
+        vars(critic).update(
+            config=_config({}),
+            critic_module=critic_setup.models,
+            critic_optimizer=critic_setup.optimizer,
+        )
+        critic_seen: list = []
+        critic.forward_backward_batch = _stand_in_forward(critic_setup, critic_seen, "critic/vf")
+        critic_applied: list = []
+        _lr_recorder(critic_setup.optimizer, critic_applied)
+        out["critic_scheduled"] = [g["lr"] for g in critic_setup.optimizer.param_groups]
+        critic_data = _local({}, dp_rank, dp_size)
+        critic_data = critic_data.select(["input_ids", "responses", "attention_mask"])
+        critic.update_critic(critic_data.make_iterator(mini_batch_size=2, epochs=1))
+        out["critic_applied"] = critic_applied
+    from ess_patch.install import installed_shapes
+
+    out["shapes"] = installed_shapes()
+    return out
