@@ -316,7 +316,7 @@ class _MethodFeature(Feature):
 
 def _bind_method(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """The call's arguments by name (``self`` included), read from the undecorated method."""
-    return bind(_undecorated(wrapped), (instance, *args), kwargs)
+    return bind(_undecorated(getattr(wrapped, "__func__", wrapped)), (instance, *args), kwargs)
 
 
 def _call_method(wrapped: Any, call: Any, **changes: Any) -> Any:
@@ -365,7 +365,12 @@ def minibatch_iterator_wrapper(
     if chosen is None or chosen.config.granularity != "rollout":
         return out
     call = _bind_method(wrapped, instance, args, kwargs)
-    data = None if call is None else call.arguments.get("data")
+    if call is None or "data" not in call.arguments:
+        raise MissingTargetError(
+            f"ess-patch (verl): {getattr(wrapped, '__qualname__', wrapped)} takes no data "
+            f"parameter. Supported: {SUPPORTED}"
+        )
+    data = call.arguments["data"]
     vars(instance)[_ROLLOUT_RESULT] = compute_batch(data, chosen.config)
     return out
 
