@@ -144,15 +144,25 @@ def test_each_step_uses_its_mini_batch_scale_dp2(tmp_path, src):
 
 @pytest.mark.parametrize("src", SNAPSHOTS, ids=[p.name for p in SNAPSHOTS])
 def test_vcpo_ess_scaling_keys_shuffled_two_epochs(tmp_path, src):
-    """VCPO's actor.ess_scaling keys: product weights, linear rule, base_ess_ratio; verl's
-    shuffled mini-batches over two epochs (4 steps), ids read back from what each step held."""
+    """VCPO's actor.ess_scaling keys given as Hydra ``+`` overrides to verl's own config, the
+    actor built on verl's real McoreActorConfig (through the wrapped omega_conf_to_dataclass):
+    product weights, linear rule, base_ess_ratio; verl's shuffled mini-batches over two epochs
+    (4 steps), ids read back from what each step held."""
+    actor = "actor_rollout_ref.actor"
     scenario = {
-        "ess_scaling": {"enable": True, "scaling_rule": "linear", "base_ess_ratio": 0.8},
+        "hydra": [
+            f"+{actor}.ess_scaling.enable=true",
+            f"+{actor}.ess_scaling.scaling_rule=linear",
+            f"+{actor}.ess_scaling.base_ess_ratio=0.8",
+            f"{actor}.ppo_mini_batch_size=2",
+            f"{actor}.ppo_micro_batch_size_per_gpu=2",
+            f"{actor}.shuffle=true",
+            f"{actor}.ppo_epochs=2",
+        ],
         "env": {"ESS_LR_FLOOR": "0.01"},
-        "shuffle": True,
-        "epochs": 2,
     }
     results = _run(tmp_path, src, scenario)
+    assert results[0]["config_type"] == "McoreActorConfig"
     expected = _expected_scales(results, mode="product", rule="linear", base_ratio=0.8, floor=0.01)
     assert len(expected) == 4
     _check_applied(results, expected)
@@ -223,3 +233,43 @@ def test_shadow_logs_but_never_scales(tmp_path):
             [e["scale"] for e in expected], rel=1e-9
         )
         assert not math.isnan(r["metrics"]["actor/rho_ess"][0])
+
+
+def _config_rank(src: str) -> dict:
+    sys.path.insert(0, str(HERE))
+    import verl_rank
+
+    return verl_rank.config_probe(src)
+
+
+@pytest.mark.parametrize("src", SNAPSHOTS, ids=[p.name for p in SNAPSHOTS])
+def test_vcpo_keys_through_verls_hydra_config(tmp_path, src):
+    """verl's real config: ``+actor_rollout_ref.actor.ess_scaling...`` composes, verl's own
+    check rejects the unknown node, install("verl") takes it out, carries it on the
+    McoreActorConfig and maps it; bad VCPO settings fail with the key named."""
+    from ess_patch import EssLrConfig
+
+    (r,) = run_ranks(_config_rank, args=(str(src),), tmp_path=tmp_path, timeout=240)
+    assert "Could not override" in r["without_plus"]  # Hydra needs the '+' for a new key
+    assert "unexpected keyword argument 'ess_scaling'" in r["uninstalled"]
+    assert r["installed"] == "ok" and r["type"] == "McoreActorConfig"
+    assert r["carried"] == {
+        "enable": True,
+        "scaling_rule": "linear",
+        "base_ess_ratio": 0.5,
+        "use_clipped": True,
+        "rollout_is_threshold": 2.0,
+    }
+    assert r["node_kept"]  # verl's DictConfig is given back as it was
+    assert r["settings"] == (
+        True,
+        EssLrConfig(
+            weight_mode="product",
+            rule="linear",
+            base_ratio=0.5,
+            granularity="step",
+            weight_clip=2.0,
+        ),
+    )
+    assert "unknown key(s) enabled" in r["unknown_key"]
+    assert "ESS_LR_WEIGHT_CLIP" in r["clip_without_threshold"]

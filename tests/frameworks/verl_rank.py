@@ -53,8 +53,24 @@ def _import_verl(src: str) -> None:
         torch.cpu.empty_cache = lambda: None
 
 
-def _config(scenario: dict) -> Any:
+def composed(src: str, overrides: list[str]) -> Any:
+    """verl's own ``ppo_megatron_trainer`` config, composed by Hydra with ``overrides``."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=f"{src}/verl/trainer/config", version_base=None):
+        return compose("ppo_megatron_trainer", overrides=overrides)
+
+
+def _config(scenario: dict, src: str = "") -> Any:
+    """The actor's config: verl's real McoreActorConfig from Hydra overrides (``"hydra"``),
+    through verl's own (wrapped) ``omega_conf_to_dataclass``; else a DictConfig."""
     from omegaconf import OmegaConf
+
+    if "hydra" in scenario:
+        import verl.utils.config
+
+        root = composed(src, scenario["hydra"])
+        return verl.utils.config.omega_conf_to_dataclass(root.actor_rollout_ref.actor)
 
     node = {
         "ppo_mini_batch_size": scenario.get("mini_batch", 2),
@@ -140,7 +156,7 @@ def run(src: str, scenario: dict) -> dict:
         critic_setup = build_megatron_optimizer("fp32", optimizer="adam", seed=2)
         actor = object.__new__(MegatronPPOActor)  # the model cannot be built on CPU
         vars(actor).update(
-            config=_config(scenario),
+            config=_config(scenario, src),
             actor_module=actor_setup.models,
             actor_optimizer=actor_setup.optimizer,
             enable_routing_replay=False,
@@ -152,6 +168,7 @@ def run(src: str, scenario: dict) -> dict:
         applied: list = []
         _lr_recorder(actor_setup.optimizer, applied)
         out["scheduled"] = [g["lr"] for g in actor_setup.optimizer.param_groups]
+        out["config_type"] = type(actor.config).__name__
         try:
             loader = actor.make_minibatch_iterator(_local(scenario, dp_rank, dp_size))
             out["metrics"] = actor.update_policy(dataloader=loader)
@@ -179,4 +196,57 @@ def run(src: str, scenario: dict) -> dict:
     from ess_patch.install import installed_shapes
 
     out["shapes"] = installed_shapes()
+    return out
+
+
+def config_probe(src: str) -> dict:
+    """verl's real Hydra config and ``omega_conf_to_dataclass`` with VCPO's keys, before and
+    after ``install("verl")``: what each step gave or raised."""
+    _import_verl(src)
+    import verl.utils.config
+
+    import ess_patch
+    from ess_patch.integrations.verl import settings
+
+    actor = "actor_rollout_ref.actor"
+    base = [f"{actor}.ppo_micro_batch_size_per_gpu=2"]
+    vcpo = [
+        f"+{actor}.ess_scaling.enable=true",
+        f"+{actor}.ess_scaling.scaling_rule=linear",
+        f"+{actor}.ess_scaling.base_ess_ratio=0.5",
+        f"+{actor}.ess_scaling.use_clipped=true",
+        f"+{actor}.ess_scaling.rollout_is_threshold=2.0",
+    ]
+    out: dict[str, Any] = {}
+
+    def attempt(name: str, fn: Any) -> Any:
+        try:
+            value = fn()
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+            return None
+        out[name] = "ok"
+        return value
+
+    attempt("without_plus", lambda: composed(src, [*base, f"{actor}.ess_scaling.enable=true"]))
+    root = composed(src, [*base, *vcpo])
+    node = root.actor_rollout_ref.actor
+    attempt("uninstalled", lambda: verl.utils.config.omega_conf_to_dataclass(node))
+    ess_patch.install("verl")
+    config = attempt("installed", lambda: verl.utils.config.omega_conf_to_dataclass(node))
+    out["type"] = type(config).__name__
+    out["carried"] = getattr(config, "ess_scaling", None)
+    out["node_kept"] = "ess_scaling" in node
+    chosen = settings(config, environ={})
+    out["settings"] = (chosen.enabled, chosen.config)
+    bad = composed(src, [*base, f"+{actor}.ess_scaling.enabled=true"])
+    attempt(
+        "unknown_key",
+        lambda: verl.utils.config.omega_conf_to_dataclass(bad.actor_rollout_ref.actor),
+    )
+    no_clip = composed(src, [*base, f"+{actor}.ess_scaling.use_clipped=true"])
+    attempt(
+        "clip_without_threshold",
+        lambda: settings(no_clip.actor_rollout_ref.actor, environ={"ESS_LR_ENABLE": "1"}),
+    )
     return out
