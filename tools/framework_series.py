@@ -103,6 +103,15 @@ WHY = {
   Megatron's CP, DP-without-CP and PP groups, armed as the LR scale of
   the rollout's optimizer steps (the advantages are untouched);
 - log: train/lr_scale, train/rho_ess, ... in the train/step record.""",
+    "verl": """\
+- MegatronPPOActor.make_minibatch_iterator: with ESS_LR_GRANULARITY=rollout,
+  the ESS over the whole rollout (every DP rank), kept for update_policy;
+- MegatronPPOActor.update_policy: each mini-batch's ESS (old vs rollout
+  log-probs, over DP without CP, broadcast over PP) armed for that
+  mini-batch's optimizer step, actor/lr_scale, actor/rho_ess, ... in its
+  metrics, nothing armed after it (the critic is never scaled);
+- omega_conf_to_dataclass: VCPO's actor.ess_scaling node taken out before
+  verl checks the actor config against its dataclass, and kept on it.""",
     "megatron_rl": """\
 - parse_args: in a Megatron-RL run (megatron.rl.rl_utils imported, as
   train_rl.py does), the --use-ess-lr / --ess-lr-* flags, composed after

@@ -32,6 +32,7 @@ Settings, per ``update_policy`` call (see :func:`settings`): on with ``ESS_LR_EN
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -205,7 +206,7 @@ def _tensors(data: Any) -> tuple[Any, Any, Any]:
         ValueError: a key is missing (the same on every rank: every DP chunk has the keys of
             the whole batch), naming the verl setting that provides it.
     """
-    batch = getattr(data, "batch", data)
+    batch = data.batch if hasattr(data, "non_tensor_batch") else data  # DataProto or TensorDict
     keys = set(batch.keys())
     if "rollout_log_probs" not in keys:
         raise ValueError(
@@ -316,7 +317,9 @@ class _MethodFeature(Feature):
 
 def _bind_method(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """The call's arguments by name (``self`` included), read from the undecorated method."""
-    return bind(_undecorated(getattr(wrapped, "__func__", wrapped)), (instance, *args), kwargs)
+    # wrapt hands over the bound method; a vendored tree's decorator a partial(method, self)
+    function = wrapped.func if isinstance(wrapped, functools.partial) else wrapped
+    return bind(_undecorated(getattr(function, "__func__", function)), (instance, *args), kwargs)
 
 
 def _call_method(wrapped: Any, call: Any, **changes: Any) -> Any:
@@ -467,18 +470,87 @@ def _without_key(wrapped: Callable[..., Any], call: Any, node: Any) -> Any:
             node["ess_scaling"] = saved
 
 
+_ENGINE_STATE = "_ess_patch_engine_actor"  # on the actor's TrainingWorker during update_actor
+
+
 def engine_update_actor_wrapper(
     wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict
 ) -> Any:
-    """The new engine path (``use_legacy_worker_impl=disable``): refused while ESS-LR is on,
-    so that it never silently does nothing there (see README)."""
+    """The engine path (``trainer.use_legacy_worker_impl=disable``):
+    ``ActorRolloutRefWorker.update_actor(data)`` hands the DP chunk to the actor's
+    ``TrainingWorker.train_mini_batch``, which runs ``train_batch`` (one optimizer step of the
+    engine) per mini-batch. Mark that TrainingWorker as the actor's for the call (the critic's
+    is another instance), with the rollout's result under granularity "rollout"."""
     config = getattr(getattr(instance, "config", None), "actor", None)
-    if config is not None and settings(config) is not None:
-        raise NotImplementedError(
-            "ESS-LR (verl) supports the legacy Megatron actor (trainer.use_legacy_worker_impl="
-            "auto/enable); the engine path (use_legacy_worker_impl=disable) is not supported yet"
+    chosen = None if config is None else settings(config)
+    trainer = getattr(instance, "actor", None)
+    if chosen is None or trainer is None:
+        return wrapped(*args, **kwargs)
+    call = _bind_method(wrapped, instance, args, kwargs)
+    if call is None or "data" not in call.arguments:
+        raise MissingTargetError(
+            f"ess-patch (verl): {getattr(wrapped, '__qualname__', wrapped)} takes no data "
+            f"parameter. Supported: {SUPPORTED}"
         )
-    return wrapped(*args, **kwargs)
+    rollout = None
+    if chosen.config.granularity == "rollout":
+        rollout = compute_batch(call.arguments["data"], chosen.config)
+    vars(trainer)[_ENGINE_STATE] = (chosen, rollout)
+    optimizer = getattr(getattr(trainer, "engine", None), "optimizer", None)
+    attached = chosen.enabled and _attach(optimizer)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        vars(trainer).pop(_ENGINE_STATE, None)
+        if chosen.enabled:
+            disarm()
+        if attached:
+            from ..attach import detach
+
+            detach(optimizer)
+
+
+def engine_train_batch_wrapper(
+    wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict
+) -> Any:
+    """``TrainingWorker.train_batch(data)`` of the actor (inside ``update_actor``): arm this
+    mini-batch's result for the engine's optimizer step, and add it to the step's metrics
+    (the driver prefixes them with ``actor/``). Any other TrainingWorker: untouched."""
+    marked = None if instance is None else vars(instance).get(_ENGINE_STATE)
+    if marked is None:
+        return wrapped(*args, **kwargs)
+    chosen, rollout = marked
+    call = _bind_method(wrapped, instance, args, kwargs)
+    if call is None or "data" not in call.arguments:
+        raise MissingTargetError(
+            f"ess-patch (verl): {getattr(wrapped, '__qualname__', wrapped)} takes no data "
+            f"parameter. Supported: {SUPPORTED}"
+        )
+    result = (
+        rollout if rollout is not None else compute_batch(call.arguments["data"], chosen.config)
+    )
+    if chosen.enabled:
+        arm(result)
+    out = wrapped(*args, **kwargs)
+    metrics = _engine_metrics(out)
+    if metrics is not None:
+        for key, value in result.metrics().items():
+            if key == "lr_scale" and not chosen.enabled:
+                key = "ess_lr_shadow_scale"
+            metrics[key] = value
+    return out
+
+
+def _engine_metrics(output: Any) -> dict | None:
+    """The metrics dict of a ``train_batch`` output (None on ranks that return no output)."""
+    if output is None:
+        return None
+    try:
+        metrics = output.get("metrics")
+    except Exception:  # not a TensorDict / mapping: nothing to add to
+        return None
+    metrics = getattr(metrics, "data", metrics)  # a NonTensorData holds the dict
+    return metrics if isinstance(metrics, dict) else None
 
 
 # --- shapes and targets ------------------------------------------------------------------------
@@ -574,6 +646,15 @@ VERL = Integration(
             "update_actor",
             engine_update_actor_wrapper,
             required=False,
+            decorator="verl_engine_update_actor",
+        ),
+        Target(
+            _ENGINE_WORKERS,
+            "TrainingWorker",
+            "train_batch",
+            engine_train_batch_wrapper,
+            required=False,
+            decorator="verl_engine_train_batch",
         ),
     ),
     history=VERL_HISTORY,

@@ -273,3 +273,27 @@ def test_vcpo_keys_through_verls_hydra_config(tmp_path, src):
     )
     assert "unknown key(s) enabled" in r["unknown_key"]
     assert "ESS_LR_WEIGHT_CLIP" in r["clip_without_threshold"]
+
+
+def _engine_rank(src: str, scenario: dict) -> dict:
+    sys.path.insert(0, str(HERE))
+    import verl_rank
+
+    return verl_rank.run_engine(src, scenario)
+
+
+@pytest.mark.parametrize("src", SNAPSHOTS, ids=[p.name for p in SNAPSHOTS])
+def test_engine_path_each_step_uses_its_mini_batch_scale_dp2(tmp_path, src):
+    """The engine path (use_legacy_worker_impl=disable): verl's real update_actor ->
+    train_mini_batch -> train_batch; each engine optimizer step at its mini-batch's scale,
+    lr_scale in the step metrics (the driver prefixes actor/), the critic's TrainingWorker
+    unscaled."""
+    scenario = {"env": {"ESS_LR_ENABLE": "1", "ESS_LR_FLOOR": "0.05"}, "shuffle": True}
+    results = run_ranks(
+        _engine_rank, dp=2, args=(str(src), scenario), tmp_path=tmp_path, timeout=240
+    )
+    expected = _expected_scales(results, floor=0.05)
+    assert len(expected) == 2
+    for r in results:
+        r["metrics"] = {"actor/" + k: v for k, v in r.get("metrics", {}).items()}
+    _check_applied(results, expected)

@@ -250,3 +250,140 @@ def config_probe(src: str) -> dict:
         lambda: settings(no_clip.actor_rollout_ref.actor, environ={"ESS_LR_ENABLE": "1"}),
     )
     return out
+
+
+class _CpuEngine:
+    """Stand-in for verl's model engine (``workers/engine/megatron``), which builds a real
+    model and cannot run on CPU: the engine's part of ``train_batch`` (zero grads, forward /
+    backward, ``optimizer.step()``) on megatron_cpu's tiny net and a real megatron-core
+    optimizer, recording which samples each mini-batch held. Not wrapped by ess-patch."""
+
+    def __init__(self, setup: Any, seen: list) -> None:
+        self.setup, self.seen, self.optimizer = setup, seen, setup.optimizer
+
+    def get_data_parallel_size(self) -> int:
+        from megatron.core import parallel_state as mpu
+
+        return mpu.get_data_parallel_world_size()
+
+    def get_data_parallel_rank(self) -> int:
+        from megatron.core import parallel_state as mpu
+
+        return mpu.get_data_parallel_rank()
+
+    def get_data_parallel_group(self) -> Any:
+        from megatron.core import parallel_state as mpu
+
+        return mpu.get_data_parallel_group()
+
+    def is_mp_src_rank_with_outputs(self) -> bool:
+        return True
+
+    def train_mode(self, **_kwargs: Any) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def train_batch(self, data: Any, loss_function: Any) -> dict:
+        from megatron_cpu import batch, forward_backward
+
+        ids = [int(row[0]) for row in data["input_ids"].unbind()]
+        self.seen.append(ids)
+        x, y = batch(len(self.seen), 0)
+        forward_backward(self.setup, x, y)
+        ok, grad_norm, _ = self.optimizer.step()
+        assert ok
+        return {"metrics": {"grad_norm": grad_norm}, "loss": [0.0], "model_output": {}}
+
+    def lr_scheduler_step(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+
+def run_engine(src: str, scenario: dict) -> dict:
+    """One rank of the engine path: verl's real ``ActorRolloutRefWorker.update_actor`` ->
+    ``TrainingWorker.train_mini_batch`` -> ``train_batch`` on a batch in verl's no-padding
+    layout, the engine a CPU stand-in; then the critic's TrainingWorker."""
+    from types import SimpleNamespace
+
+    os.environ.update(scenario.get("env", {}))
+    _import_verl(src)
+    import ess_patch
+
+    ess_patch.install(scenario.get("integrations", "verl"))
+    from megatron.core import parallel_state as mpu
+    from megatron_cpu import build_megatron_optimizer
+    from omegaconf import OmegaConf
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
+
+    from ess_patch.demo.cpu import megatron_on_cpu
+
+    dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+    out: dict[str, Any] = {"coords": (dp_rank, 0, 0)}
+
+    def trainer(setup: Any, seen: list) -> Any:
+        worker = object.__new__(TrainingWorker)  # Ray actor and engine cannot be built on CPU
+        vars(worker).update(
+            engine=_CpuEngine(setup, seen),
+            loss_fn=lambda *a, **k: None,
+            engine_config=SimpleNamespace(
+                forward_only=False,
+                use_dynamic_bsz=False,
+                max_token_len_per_gpu=64,
+                micro_batch_size_per_gpu=2,
+                use_fused_kernels=False,
+            ),
+            model_config=SimpleNamespace(use_remove_padding=True),
+            device_name="cpu",
+            flops_counter=SimpleNamespace(estimate_flops=lambda *_a, **_k: (0.0, 1.0)),
+        )
+        return worker
+
+    def prepared() -> Any:
+        data = _local(scenario, dp_rank, dp_size).batch  # verl's TensorDict of this DP rank
+        # what verl's left_right_2_no_padding makes of it (its unpad_input needs flash_attn,
+        # a CUDA package; every token is attended here, so the rows are the sequences)
+        data["input_ids"] = torch.nested.as_nested_tensor(
+            list(data["input_ids"].unbind()), layout=torch.jagged
+        )
+        data["position_ids"] = torch.nested.as_nested_tensor(
+            list(data["position_ids"].unbind()), layout=torch.jagged
+        )
+        data["loss_mask"] = data["response_mask"]
+        tu.assign_non_tensor(data, max_seq_len=PROMPT + R, max_response_len=R)
+        tu.assign_non_tensor(
+            data,
+            mini_batch_size=2 * dp_size,
+            epochs=scenario.get("epochs", 1),
+            seed=7,
+            dataloader_kwargs={"shuffle": scenario.get("shuffle", False)},
+        )
+        return data
+
+    with megatron_on_cpu():
+        actor_setup = build_megatron_optimizer("fp32", optimizer="adam", seed=1)
+        critic_setup = build_megatron_optimizer("fp32", optimizer="adam", seed=2)
+        seen: list = []
+        worker = object.__new__(ActorRolloutRefWorker)
+        vars(worker).update(
+            actor=trainer(actor_setup, seen),
+            config=OmegaConf.create({"actor": _config(scenario, src)}),
+        )
+        applied: list = []
+        _lr_recorder(actor_setup.optimizer, applied)
+        out["scheduled"] = [g["lr"] for g in actor_setup.optimizer.param_groups]
+        try:
+            output = worker.update_actor(prepared())
+            out["metrics"] = dict(tu.get(output, "metrics"))
+        except Exception as exc:
+            out["error"] = f"{type(exc).__name__}: {exc}"
+        out.update(seen=seen, applied=applied, armed_after=ess_patch.armed())
+        out["after"] = [g["lr"] for g in actor_setup.optimizer.param_groups]
+
+        critic = trainer(critic_setup, [])
+        critic_applied: list = []
+        _lr_recorder(critic_setup.optimizer, critic_applied)
+        out["critic_scheduled"] = [g["lr"] for g in critic_setup.optimizer.param_groups]
+        critic.train_mini_batch(prepared())
+        out["critic_applied"] = critic_applied
+    return out
