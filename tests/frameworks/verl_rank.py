@@ -61,6 +61,31 @@ def composed(src: str, overrides: list[str]) -> Any:
         return compose("ppo_megatron_trainer", overrides=overrides)
 
 
+def _install(scenario: dict) -> None:
+    """``install()`` (default), or, for a tree patched with patches/verl (``"vendored"``),
+    nothing: its decorators must do everything, and must be what is in place."""
+    import ess_patch
+
+    if not scenario.get("vendored"):
+        ess_patch.install(scenario.get("integrations", "verl"))
+        return
+    from verl.utils import config
+    from verl.workers import engine_workers
+    from verl.workers.actor import megatron_actor
+
+    from ess_patch.vendored import is_vendored
+
+    decorated = [
+        vars(megatron_actor.MegatronPPOActor)["update_policy"],
+        vars(megatron_actor.MegatronPPOActor)["make_minibatch_iterator"],
+        vars(engine_workers.ActorRolloutRefWorker)["update_actor"],
+        vars(engine_workers.TrainingWorker)["train_batch"],
+        config.omega_conf_to_dataclass,
+    ]
+    assert all(is_vendored(f) for f in decorated), "the tree is not patched"
+    assert not ess_patch.is_installed()
+
+
 def _config(scenario: dict, src: str = "") -> Any:
     """The actor's config: verl's real McoreActorConfig from Hydra overrides (``"hydra"``),
     through verl's own (wrapped) ``omega_conf_to_dataclass``; else a DictConfig."""
@@ -138,7 +163,7 @@ def run(src: str, scenario: dict) -> dict:
     _import_verl(src)
     import ess_patch
 
-    ess_patch.install(scenario.get("integrations", "verl"))
+    _install(scenario)
     from megatron.core import parallel_state as mpu
     from megatron_cpu import build_megatron_optimizer
     from verl.workers.actor.megatron_actor import MegatronPPOActor
@@ -196,6 +221,7 @@ def run(src: str, scenario: dict) -> dict:
     from ess_patch.install import installed_shapes
 
     out["shapes"] = installed_shapes()
+    out["installed"] = ess_patch.is_installed()
     return out
 
 
@@ -309,7 +335,7 @@ def run_engine(src: str, scenario: dict) -> dict:
     _import_verl(src)
     import ess_patch
 
-    ess_patch.install(scenario.get("integrations", "verl"))
+    _install(scenario)
     from megatron.core import parallel_state as mpu
     from megatron_cpu import build_megatron_optimizer
     from omegaconf import OmegaConf
