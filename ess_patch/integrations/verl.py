@@ -1,4 +1,4 @@
-"""verl (volcengine/verl, v0.7.0 to main @b178a3cd5): ESS-LR for the legacy Megatron actor.
+"""verl (volcengine/verl, v0.7.0 to main @b178a3cd5): ESS-LR for the Megatron actor.
 
 verl facts this relies on (both snapshots in ../shared/upstream; detected by feature):
 
@@ -24,6 +24,11 @@ verl facts this relies on (both snapshots in ../shared/upstream; detected by fea
 - The critic (``MegatronPPOCritic.update_critic``) is never wrapped, and nothing stays armed
   after ``update_policy`` returns: only the actor's optimizer is scaled, even when verl
   colocates the critic in the same process.
+- The engine path (``trainer.use_legacy_worker_impl=disable``):
+  ``ActorRolloutRefWorker.update_actor(data)`` -> the actor's ``TrainingWorker.train_mini_batch``
+  -> ``train_batch(mini_batch)``, one engine optimizer step each; the same tensors stay padded
+  in its no-padding TensorDict. ``update_actor`` marks the actor's TrainingWorker (the critic's
+  is another instance) and ``train_batch`` arms each mini-batch's result for it.
 
 Settings, per ``update_policy`` call (see :func:`settings`): on with ``ESS_LR_ENABLE=1`` or
 ``actor.ess_scaling.enable``; the rest from ``ESS_LR_*`` (``EssLrConfig.from_env`` via
@@ -52,7 +57,10 @@ __all__ = ["VERL", "VERL_HISTORY", "VerlSettings", "settings"]
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED = "verl v0.7.0 (2026-01-05) to @b178a3cd5 (2026-01-29): the legacy Megatron actor"
+SUPPORTED = (
+    "verl v0.7.0 (2026-01-05) to @b178a3cd5 (2026-01-29): the Megatron actor (legacy worker "
+    "and engine path)"
+)
 
 _ACTOR = "verl.workers.actor.megatron_actor"
 _CONFIG = "verl.utils.config"
