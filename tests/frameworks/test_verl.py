@@ -297,3 +297,24 @@ def test_engine_path_each_step_uses_its_mini_batch_scale_dp2(tmp_path, src):
     for r in results:
         r["metrics"] = {"actor/" + k: v for k, v in r.get("metrics", {}).items()}
     _check_applied(results, expected)
+
+
+@pytest.mark.parametrize(("dp", "pp"), [(2, 1), (2, 2)])
+def test_a_nan_on_one_rank_raises_on_every_rank_before_any_update(tmp_path, dp, pp):
+    """Sample 1 (DP rank 0's first mini-batch) has a NaN log-prob: every rank of every stage
+    raises at that step (the NaN policy is "raise"), nothing was updated, nothing stays armed."""
+    scenario = {"env": {"ESS_LR_ENABLE": "1"}, "nan_sample": 1}
+    results = _run(tmp_path, SNAPSHOTS[0], scenario, dp=dp, pp=pp)
+    for r in results:
+        last = r["coords"][2] == pp - 1  # computes (and raises alike on every DP rank)
+        expected = "NonFiniteLogProbError" if last else "InvalidInputsElsewhereError"
+        assert r["error"].split(":")[0] == expected, r["error"]
+        assert r["applied"] == [] and r["after"] == r["scheduled"] and r["armed_after"] is None
+
+
+def test_the_auto_installer_covers_a_verl_worker(tmp_path):
+    """ESS_PATCH_AUTO_INSTALL=1 with ESS_PATCH_INTEGRATIONS=verl (what the .pth line runs in
+    each Ray worker) before verl is imported: the same per-step scales."""
+    scenario = {"env": {"ESS_LR_ENABLE": "1"}, "autoinstall": True}
+    results = _run(tmp_path, SNAPSHOTS[0], scenario)
+    _check_applied(results, _expected_scales(results))

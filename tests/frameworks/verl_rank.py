@@ -66,6 +66,12 @@ def _install(scenario: dict) -> None:
     nothing: its decorators must do everything, and must be what is in place."""
     import ess_patch
 
+    if scenario.get("autoinstall"):  # what the .pth line does at a Ray worker's start-up
+        from ess_patch import autoinstall
+
+        os.environ.update(ESS_PATCH_AUTO_INSTALL="1", ESS_PATCH_INTEGRATIONS="verl")
+        assert autoinstall.run()
+        return
     if not scenario.get("vendored"):
         ess_patch.install(scenario.get("integrations", "verl"))
         return
@@ -119,6 +125,8 @@ def _local(scenario: dict, dp_rank: int, dp_size: int) -> Any:
     from verl import DataProto
 
     full = global_batch(scenario.get("seed", 0), bypass=scenario.get("bypass", False))
+    if "nan_sample" in scenario:  # a non-finite log-prob in one DP rank's chunk only
+        full["old_log_probs"][scenario["nan_sample"], 0] = float("nan")
     ids = torch.arange(N)
     input_ids = torch.cat([ids.unsqueeze(1), torch.ones(N, PROMPT + R - 1, dtype=torch.long)], 1)
     tensors = {
