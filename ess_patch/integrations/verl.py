@@ -222,10 +222,18 @@ def _tensors(data: Any) -> tuple[Any, Any, Any]:
             "measure the policy against. Set actor_rollout_ref.rollout.calculate_log_probs=True "
             "(the rollout engine then returns them), or turn ESS-LR off"
         )
-    lacking = [k for k in ("old_log_probs", "response_mask") if k not in keys]
-    if lacking:
-        raise ValueError(f"ESS-LR (verl): the actor's batch has no {', '.join(lacking)}")
-    return batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"]
+    if "old_log_probs" not in keys:
+        raise ValueError("ESS-LR (verl): the actor's batch has no old_log_probs")
+    if "response_mask" in keys:
+        mask = batch["response_mask"]
+    elif {"attention_mask", "responses"} <= keys:  # older verl: the actor derived it so
+        mask = batch["attention_mask"][:, -batch["responses"].shape[-1] :]
+    else:
+        raise ValueError(
+            "ESS-LR (verl): the actor's batch has neither response_mask nor attention_mask "
+            "and responses to tell which tokens count"
+        )
+    return batch["old_log_probs"], batch["rollout_log_probs"], mask
 
 
 def _prepare(fault: Exception | None, old: Any, rollout: Any) -> Callable[[Any], Any]:
@@ -611,6 +619,8 @@ VERL_HISTORY = History(
                     "v0.7.0 to main",
                     (Feature(_CONFIG, "omega_conf_to_dataclass", ("config", "dataclass_type")),),
                 ),
+                # a verl whose actor config is not checked there: ESS_LR_* only
+                Shape("no omega_conf_to_dataclass (actor.ess_scaling not read)", "other"),
             ),
             when=(_CONFIG,),
             phrase="config via {label}",
@@ -642,6 +652,7 @@ VERL = Integration(
             "",
             "omega_conf_to_dataclass",
             config_wrapper,
+            required=False,  # only for VCPO's keys; ESS_LR_* work without it
             decorator="verl_omega_conf_to_dataclass",
         ),
         *(

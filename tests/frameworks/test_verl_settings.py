@@ -93,3 +93,41 @@ def test_config_wrapper_strips_the_node_from_a_plain_dict_and_leaves_others_alon
     assert out.ess_scaling == {"enable": True}
     config_wrapper(build, None, ({"a": 2},), {})
     assert seen[-1] == {"a": 2}
+
+
+def test_older_batches_without_response_mask_use_the_attention_mask_of_the_responses():
+    """verl before response_mask was in the batch derived it from attention_mask; one process,
+    against the float64 reference over the same tokens."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from reference import reference_ess
+
+    from ess_patch.integrations.rl_hooks import Groups
+    from ess_patch.integrations.verl import compute_batch
+
+    gen = torch.Generator().manual_seed(1)
+    rollout = -torch.rand(4, 5, generator=gen)
+    old = rollout + torch.linspace(-0.5, 0.5, 4).unsqueeze(1)
+    attention = torch.ones(4, 8, dtype=torch.long)
+    attention[1, -2:] = 0  # a shorter response
+    data = {
+        "old_log_probs": old,
+        "rollout_log_probs": rollout,
+        "attention_mask": attention,
+        "responses": torch.ones(4, 5, dtype=torch.long),
+    }
+    one = Groups(None, 0, 1, None, None, True)
+    config = EssLrConfig(floor=0.01)
+    got = compute_batch(data, config, one)
+    masks = list(attention[:, -5:])
+    want = reference_ess(
+        [o.double() for o in old], [r.double() for r in rollout], masks, floor=0.01
+    )
+    assert got.scale == pytest.approx(want["scale"], rel=1e-9) and got.scale < 1
+    del data["attention_mask"]
+    with pytest.raises(ValueError, match="neither response_mask nor attention_mask"):
+        compute_batch(data, config, one)
