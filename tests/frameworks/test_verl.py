@@ -318,3 +318,19 @@ def test_the_auto_installer_covers_a_verl_worker(tmp_path):
     scenario = {"env": {"ESS_LR_ENABLE": "1"}, "autoinstall": True}
     results = _run(tmp_path, SNAPSHOTS[0], scenario)
     _check_applied(results, _expected_scales(results))
+
+
+def _missing_rank(src: str) -> dict:
+    sys.path.insert(0, str(HERE))
+    import verl_rank
+
+    return verl_rank.missing_probe(src)
+
+
+def test_a_verl_without_the_hooked_symbols_is_refused_by_name(tmp_path):
+    (r,) = run_ranks(_missing_rank, args=(str(SNAPSHOTS[0]),), tmp_path=tmp_path, timeout=240)
+    assert r["missing"].startswith("MissingTargetError")
+    assert "MegatronPPOActor.make_minibatch_iterator does not exist" in r["missing"]
+    assert "Supported: verl v0.7.0" in r["missing"]
+    assert (r["installed"], r["targets"]) == (False, [])
+    assert "update_policy has no parameter dataloader" in r["parameter"]

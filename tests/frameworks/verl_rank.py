@@ -421,3 +421,35 @@ def run_engine(src: str, scenario: dict) -> dict:
         critic.train_mini_batch(prepared())
         out["critic_applied"] = critic_applied
     return out
+
+
+def missing_probe(src: str) -> dict:
+    """A verl whose actor lacks a hooked method (or a parameter): what install() says, and
+    that nothing of verl stays patched."""
+    _import_verl(src)
+    from verl.workers.actor.megatron_actor import MegatronPPOActor
+
+    import ess_patch
+    from ess_patch.install import installed_targets
+
+    out: dict[str, Any] = {}
+    saved = vars(MegatronPPOActor)["make_minibatch_iterator"]
+    del MegatronPPOActor.make_minibatch_iterator
+    try:
+        ess_patch.install("verl")
+    except Exception as exc:
+        out["missing"] = f"{type(exc).__name__}: {exc}"
+    out["installed"], out["targets"] = ess_patch.is_installed(), installed_targets()
+    MegatronPPOActor.make_minibatch_iterator = saved
+
+    def renamed(self, batches):  # update_policy without a ``dataloader`` parameter
+        return {}
+
+    original = vars(MegatronPPOActor)["update_policy"]
+    MegatronPPOActor.update_policy = renamed
+    try:
+        ess_patch.install("verl")
+    except Exception as exc:
+        out["parameter"] = f"{type(exc).__name__}: {exc}"
+    MegatronPPOActor.update_policy = original
+    return out
