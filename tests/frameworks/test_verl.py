@@ -334,3 +334,22 @@ def test_a_verl_without_the_hooked_symbols_is_refused_by_name(tmp_path):
     assert "Supported: verl v0.7.0" in r["missing"]
     assert (r["installed"], r["targets"]) == (False, [])
     assert "update_policy has no parameter dataloader" in r["parameter"]
+
+
+def test_engine_path_rollout_granularity(tmp_path):
+    """ESS_LR_GRANULARITY=rollout on the engine path: the ESS over the whole batch
+    update_actor got (every DP rank), for each engine step."""
+    env = {"ESS_LR_ENABLE": "1", "ESS_LR_GRANULARITY": "rollout", "ESS_LR_FLOOR": "0.05"}
+    results = run_ranks(
+        _engine_rank, dp=2, args=(str(SNAPSHOTS[0]), {"env": env}), tmp_path=tmp_path, timeout=240
+    )
+    batch = _batch()
+    whole = reference_ess(
+        [x.double() for x in batch["old_log_probs"]],
+        [x.double() for x in batch["rollout_log_probs"]],
+        list(batch["mask"]),
+        floor=0.05,
+    )
+    for r in results:
+        r["metrics"] = {"actor/" + k: v for k, v in r.get("metrics", {}).items()}
+    _check_applied(results, [whole, whole])
