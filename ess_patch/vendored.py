@@ -47,6 +47,7 @@ __all__ = [
     "slime_parse_args",
     "verl_engine_train_batch",
     "verl_engine_update_actor",
+    "verl_fsdp_update_policy",
     "verl_minibatch_iterator",
     "verl_omega_conf_to_dataclass",
     "verl_update_policy",
@@ -126,6 +127,8 @@ verl_update_policy = _method_hook(_verl.update_policy_wrapper)
 verl_engine_update_actor = _method_hook(_verl.engine_update_actor_wrapper)
 #: verl ``workers/engine_workers.py``: on ``TrainingWorker.train_batch`` (engine path).
 verl_engine_train_batch = _method_hook(_verl.engine_train_batch_wrapper)
+#: verl ``workers/actor/dp_actor.py``: on ``DataParallelPPOActor.update_policy`` (refused).
+verl_fsdp_update_policy = _method_hook(_verl.fsdp_update_policy_wrapper)
 #: verl ``utils/config.py``: on ``omega_conf_to_dataclass``.
 verl_omega_conf_to_dataclass = _function_hook(_verl.config_wrapper)
 

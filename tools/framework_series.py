@@ -115,6 +115,8 @@ WHY = {
 - ActorRolloutRefWorker.update_actor and TrainingWorker.train_batch (the
   engine path): the same per mini-batch ESS, armed for the engine's
   optimizer step of the actor's TrainingWorker only.
+- DataParallelPPOActor.update_policy (the FSDP actor): refused while
+  ESS-LR is on, never a silent no-op.
 Both actor paths attach the actor's optimizer for the call, so the
 megatron-core series is not needed for verl's actor. ESS-LR is on with
 ESS_LR_ENABLE=1 or actor.ess_scaling.enable (VCPO's key).""",

@@ -486,6 +486,25 @@ def _without_key(wrapped: Callable[..., Any], call: Any, node: Any) -> Any:
             node["ess_scaling"] = saved
 
 
+def _refuse_other_backends(strategy: Any) -> None:
+    if strategy not in (None, "megatron"):
+        raise NotImplementedError(
+            f"ESS-LR (verl) supports the Megatron actor (actor_rollout_ref.actor.strategy="
+            f"megatron); strategy {strategy!r} is not supported and would never be scaled. "
+            "Turn ESS-LR off (ESS_LR_ENABLE, actor.ess_scaling.enable) or use Megatron"
+        )
+
+
+def fsdp_update_policy_wrapper(
+    wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict
+) -> Any:
+    """verl's FSDP actor (``DataParallelPPOActor.update_policy``): refused while ESS-LR is on,
+    never a silent no-op."""
+    if instance is not None and settings(getattr(instance, "config", None)) is not None:
+        _refuse_other_backends(getattr(getattr(instance, "config", None), "strategy", "fsdp"))
+    return wrapped(*args, **kwargs)
+
+
 _ENGINE_STATE = "_ess_patch_engine_actor"  # on the actor's TrainingWorker during update_actor
 
 
@@ -502,6 +521,7 @@ def engine_update_actor_wrapper(
     trainer = getattr(instance, "actor", None)
     if chosen is None or trainer is None:
         return wrapped(*args, **kwargs)
+    _refuse_other_backends(config.get("strategy") if isinstance(config, Mapping) else None)
     call = _bind_method(wrapped, instance, args, kwargs)
     if call is None or "data" not in call.arguments:
         raise MissingTargetError(
@@ -658,6 +678,14 @@ VERL = Integration(
         *(
             Target(module, "", "omega_conf_to_dataclass", config_wrapper, required=False)
             for module in _CONFIG_REIMPORTS
+        ),
+        Target(
+            "verl.workers.actor.dp_actor",
+            "DataParallelPPOActor",
+            "update_policy",
+            fsdp_update_policy_wrapper,
+            required=False,
+            decorator="verl_fsdp_update_policy",
         ),
         Target(
             _ENGINE_WORKERS,

@@ -353,3 +353,18 @@ def test_engine_path_rollout_granularity(tmp_path):
     for r in results:
         r["metrics"] = {"actor/" + k: v for k, v in r.get("metrics", {}).items()}
     _check_applied(results, [whole, whole])
+
+
+def _backends_rank(src: str) -> dict:
+    sys.path.insert(0, str(HERE))
+    import verl_rank
+
+    return verl_rank.other_backends_probe(src)
+
+
+def test_fsdp_actor_and_engine_are_refused_while_on_and_untouched_while_off(tmp_path):
+    (r,) = run_ranks(_backends_rank, args=(str(SNAPSHOTS[0]),), tmp_path=tmp_path, timeout=240)
+    for name in ("fsdp", "engine"):
+        assert r[f"{name}_1"].startswith("NotImplementedError"), r[f"{name}_1"]
+        assert "strategy 'fsdp' is not supported" in r[f"{name}_1"]
+        assert not r[f"{name}_0"].startswith("NotImplementedError")  # verl's own error

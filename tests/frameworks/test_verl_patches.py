@@ -37,6 +37,7 @@ TOUCHED = {
     "verl/utils/config.py",
     "verl/workers/actor/megatron_actor.py",
     "verl/workers/engine_workers.py",
+    "verl/workers/actor/dp_actor.py",
 }
 
 

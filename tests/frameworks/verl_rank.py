@@ -77,7 +77,7 @@ def _install(scenario: dict) -> None:
         return
     from verl.utils import config
     from verl.workers import engine_workers
-    from verl.workers.actor import megatron_actor
+    from verl.workers.actor import dp_actor, megatron_actor
 
     from ess_patch.vendored import is_vendored
 
@@ -86,6 +86,7 @@ def _install(scenario: dict) -> None:
         vars(megatron_actor.MegatronPPOActor)["make_minibatch_iterator"],
         vars(engine_workers.ActorRolloutRefWorker)["update_actor"],
         vars(engine_workers.TrainingWorker)["train_batch"],
+        vars(dp_actor.DataParallelPPOActor)["update_policy"],
         config.omega_conf_to_dataclass,
     ]
     assert all(is_vendored(f) for f in decorated), "the tree is not patched"
@@ -452,4 +453,34 @@ def missing_probe(src: str) -> dict:
     except Exception as exc:
         out["parameter"] = f"{type(exc).__name__}: {exc}"
     MegatronPPOActor.update_policy = original
+    return out
+
+
+def other_backends_probe(src: str) -> dict:
+    """verl's FSDP actor and a non-Megatron engine with ESS-LR on: refused, by name; off:
+    verl's own code runs (and here fails on its own, on a batch of None)."""
+    from omegaconf import OmegaConf
+
+    _import_verl(src)
+    import ess_patch
+
+    ess_patch.install("verl")
+    from verl.workers.actor.dp_actor import DataParallelPPOActor
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    out: dict[str, Any] = {}
+    actor = object.__new__(DataParallelPPOActor)
+    vars(actor).update(config=OmegaConf.create({"strategy": "fsdp"}))
+    worker = object.__new__(ActorRolloutRefWorker)
+    vars(worker).update(actor=object(), config=OmegaConf.create({"actor": {"strategy": "fsdp"}}))
+    for enable in ("1", "0"):
+        os.environ["ESS_LR_ENABLE"] = enable
+        for name, call in (
+            ("fsdp", lambda: actor.update_policy(None)),
+            ("engine", lambda: worker.update_actor(None)),
+        ):
+            try:
+                call()
+            except Exception as exc:
+                out[f"{name}_{enable}"] = f"{type(exc).__name__}: {exc}"
     return out
