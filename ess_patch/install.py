@@ -25,6 +25,7 @@ from .integrations.megatron import MEGATRON
 from .integrations.megatron_rl import MEGATRON_RL
 from .integrations.miles import MILES
 from .integrations.slime import SLIME
+from .integrations.verl import VERL
 from .patching import Patch, apply, revert, unwrap_copy
 from .state import STATE, disarm
 
@@ -40,7 +41,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-INTEGRATIONS: dict[str, Integration] = {i.name: i for i in (MEGATRON, MILES, SLIME, MEGATRON_RL)}
+INTEGRATIONS: dict[str, Integration] = {
+    i.name: i for i in (MEGATRON, MILES, SLIME, MEGATRON_RL, VERL)
+}
 
 #: Comma-separated integration names, read when ``install(integrations=None)``.
 ENV_INTEGRATIONS = "ESS_PATCH_INTEGRATIONS"

@@ -17,10 +17,12 @@ from .integrations import Integration
 from .integrations import megatron_rl as _megatron_rl
 from .integrations import miles as _miles
 from .integrations import slime as _slime
+from .integrations import verl as _verl
 from .integrations.megatron_rl import MEGATRON_RL
 from .integrations.miles import MILES, MILES_FRAMEWORK
 from .integrations.rl_hooks import advantage_wrapper, critic_wrapper, parse_args_wrapper
 from .integrations.slime import SLIME, SLIME_FRAMEWORK
+from .integrations.verl import VERL
 from .lr import step_wrapper
 from .patching import VENDORED_MARK, is_vendored
 from .state import note_applier
@@ -45,6 +47,12 @@ __all__ = [
     "slime_log",
     "slime_parse_args",
     "slime_train_critic",
+    "verl_engine_train_batch",
+    "verl_engine_update_actor",
+    "verl_fsdp_update_policy",
+    "verl_minibatch_iterator",
+    "verl_omega_conf_to_dataclass",
+    "verl_update_policy",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -117,6 +125,18 @@ megatron_rl_align = _function_hook(_megatron_rl.align_wrapper)
 megatron_rl_packed_stats = _function_hook(_megatron_rl.packed_stats_wrapper)
 #: Megatron-LM ``megatron/rl/rl_utils.py``: on ``maybe_log_training_metrics``.
 megatron_rl_log_metrics = _function_hook(_megatron_rl.log_metrics_wrapper)
+#: verl ``workers/actor/megatron_actor.py``: on ``MegatronPPOActor.make_minibatch_iterator``.
+verl_minibatch_iterator = _method_hook(_verl.minibatch_iterator_wrapper)
+#: verl ``workers/actor/megatron_actor.py``: on ``MegatronPPOActor.update_policy``.
+verl_update_policy = _method_hook(_verl.update_policy_wrapper)
+#: verl ``workers/engine_workers.py``: on ``ActorRolloutRefWorker.update_actor`` (engine path).
+verl_engine_update_actor = _method_hook(_verl.engine_update_actor_wrapper)
+#: verl ``workers/engine_workers.py``: on ``TrainingWorker.train_batch`` (engine path).
+verl_engine_train_batch = _method_hook(_verl.engine_train_batch_wrapper)
+#: verl ``workers/actor/dp_actor.py``: on ``DataParallelPPOActor.update_policy`` (refused).
+verl_fsdp_update_policy = _method_hook(_verl.fsdp_update_policy_wrapper)
+#: verl ``utils/config.py``: on ``omega_conf_to_dataclass``.
+verl_omega_conf_to_dataclass = _function_hook(_verl.config_wrapper)
 
 
 @dataclass(frozen=True)
@@ -156,5 +176,5 @@ def call_sites(integration: Integration) -> tuple[CallSite, ...]:
 #: Per framework, its call sites: tools/framework_series.py writes the diffs from this
 #: table; ``ess_patch.patchset`` checks them against install().
 CALL_SITES: dict[str, tuple[CallSite, ...]] = {
-    i.name: call_sites(i) for i in (MILES, SLIME, MEGATRON_RL)
+    i.name: call_sites(i) for i in (MILES, SLIME, MEGATRON_RL, VERL)
 }

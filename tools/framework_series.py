@@ -109,6 +109,23 @@ WHY = {
 - MegatronTrainRayActor.train_critic: makes its process the critic before
   its advantage call (rollout 0 included): never scaled, no policy
   metrics.""",
+    "verl": """\
+- MegatronPPOActor.make_minibatch_iterator: with ESS_LR_GRANULARITY=rollout,
+  the ESS over the whole rollout (every DP rank), kept for update_policy;
+- MegatronPPOActor.update_policy: each mini-batch's ESS (old vs rollout
+  log-probs, over DP without CP, broadcast over PP) armed for that
+  mini-batch's optimizer step, actor/lr_scale, actor/rho_ess, ... in its
+  metrics, nothing armed after it (the critic is never scaled);
+- omega_conf_to_dataclass: VCPO's actor.ess_scaling node taken out before
+  verl checks the actor config against its dataclass, and kept on it;
+- ActorRolloutRefWorker.update_actor and TrainingWorker.train_batch (the
+  engine path): the same per mini-batch ESS, armed for the engine's
+  optimizer step of the actor's TrainingWorker only.
+- DataParallelPPOActor.update_policy (the FSDP actor): refused while
+  ESS-LR is on, never a silent no-op.
+Both actor paths attach the actor's optimizer for the call, so the
+megatron-core series is not needed for verl's actor. ESS-LR is on with
+ESS_LR_ENABLE=1 or actor.ess_scaling.enable (VCPO's key).""",
     "megatron_rl": """\
 - parse_args: in a Megatron-RL run (megatron.rl.rl_utils imported, as
   train_rl.py does), the --use-ess-lr / --ess-lr-* flags, composed after

@@ -272,6 +272,7 @@ DETECTORS: dict[str, Callable[[Path], Tree | None]] = {
     # Megatron-LM's own RL loop (train_rl.py): a Megatron-LM checkout or snapshot; a full
     # checkout also holds megatron/core, so detection asks which of the two is meant.
     "megatron_rl": _package_checkout("megatron_rl", "megatron/rl"),
+    "verl": _package_checkout("verl", "verl"),
 }
 
 _EVIDENCE = {
@@ -279,6 +280,7 @@ _EVIDENCE = {
     "miles": "miles/__init__.py",
     "slime": "slime/__init__.py",
     "megatron_rl": "megatron/rl/__init__.py",
+    "verl": "verl/__init__.py",
 }
 
 

@@ -153,6 +153,7 @@ INTEGRATION_OF = {
     "miles": "miles",
     "slime": "slime",
     "megatron_rl": "megatron_rl",
+    "verl": "verl",
 }
 
 _Site = tuple[str, str, str]  # (file, owner or "", function): where a definition is

@@ -1,0 +1,370 @@
+"""ESS-LR inside verl's REAL Megatron actor, on every verl snapshot (``verl-*`` folders).
+
+Each case runs ``install("verl")`` in fresh gloo ranks with real megatron process groups,
+builds verl's real ``MegatronPPOActor`` around a real megatron-core optimizer (the model is a
+stand-in: see ``verl_rank.py``), and runs verl's own ``make_minibatch_iterator`` and
+``update_policy`` on a batch dispatched over DP as verl does. The parent recomputes, in float64
+from the whole batch (``tests/reference.py``), each optimizer step's ESS scale over the samples
+that step trained on (on every DP rank), and checks the LR each inner update applied:
+scheduled LR x that scale, exactly once, on the actor only (verl's real
+``MegatronPPOCritic.update_critic`` runs after it in the same process, unscaled).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: harness, reference
+from harness import run_ranks
+from reference import reference_ess
+
+HERE = Path(__file__).resolve().parent
+_PACKAGES = ("megatron.core", "tensordict", "omegaconf", "codetiming", "ray", "transformers")
+
+
+def _upstream_root() -> Path | None:
+    root = os.environ.get("ESS_PATCH_UPSTREAM")
+    if root:
+        return Path(root)
+    for var in ("MILES_SRC", "SLIME_SRC"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).resolve().parent
+    return None
+
+
+def verl_snapshots() -> list[Path]:
+    """Every ``verl-*`` folder holding ``verl/`` under ``$ESS_PATCH_UPSTREAM``."""
+    root = _upstream_root()
+    if root is None or not root.is_dir():
+        return []
+    return [p for p in sorted(root.glob("verl-*")) if (p / "verl" / "__init__.py").is_file()]
+
+
+def _skip_reason() -> str | None:
+    if not verl_snapshots():
+        return "no verl-* snapshot: set ESS_PATCH_UPSTREAM to ../shared/upstream"
+    missing = [p for p in _PACKAGES if find_spec(p.split(".")[0]) is None]
+    if missing:
+        return (
+            f"the verl tests need {', '.join(missing)}: pip install -r "
+            "tests/frameworks/requirements-verl.txt (with torch pinned)"
+        )
+    return None
+
+
+SKIP = _skip_reason()
+SNAPSHOTS = verl_snapshots()
+pytestmark = [pytest.mark.dist, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
+
+
+def _rank(src: str, scenario: dict) -> dict:
+    sys.path.insert(0, str(HERE))
+    import verl_rank
+
+    return verl_rank.run(src, scenario)
+
+
+def _run(tmp_path, src: Path, scenario: dict, *, dp=2, cp=1, pp=1) -> list[dict]:
+    return run_ranks(
+        _rank,
+        dp=dp,
+        cp=cp,
+        pp=pp,
+        args=(str(src), scenario),
+        tmp_path=tmp_path,
+        timeout=240,
+        collective_timeout=120,
+    )
+
+
+def _batch(seed: int = 0, **kwargs):
+    sys.path.insert(0, str(HERE))
+    from verl_rank import global_batch
+
+    return global_batch(seed, **kwargs)
+
+
+def _expected_scales(results: list[dict], seed: int = 0, **rule) -> list[dict]:
+    """Per optimizer step: the float64 reference over the samples every DP rank trained on
+    in that step (the ids each rank's mini-batch held)."""
+    batch = _batch(seed)
+    by_dp = {r["coords"][0]: r["seen"] for r in results}
+    steps = len(next(iter(by_dp.values())))
+    out = []
+    for s in range(steps):
+        ids = sorted(i for seen in by_dp.values() for i in seen[s])
+        out.append(
+            reference_ess(
+                [batch["old_log_probs"][i].double() for i in ids],
+                [batch["rollout_log_probs"][i].double() for i in ids],
+                [batch["mask"][i] for i in ids],
+                shift=True,
+                **rule,
+            )
+        )
+    return out
+
+
+def _check_applied(results: list[dict], expected: list[dict]) -> None:
+    for r in results:
+        assert "error" not in r, r.get("error")
+        assert len(r["applied"]) == len(expected), "one inner update per mini-batch"
+        for lrs, ref in zip(r["applied"], expected, strict=True):
+            for lr, scheduled in zip(lrs, r["scheduled"], strict=True):
+                assert lr == pytest.approx(scheduled * ref["scale"], rel=1e-9)
+        assert r["after"] == r["scheduled"]  # restored: the scheduler never sees a scaled LR
+        assert r["armed_after"] is None  # nothing armed after the actor's update
+        # the critic, stepped next in the same process, is never scaled
+        assert r["critic_applied"] and all(
+            lrs == r["critic_scheduled"] for lrs in r["critic_applied"]
+        )
+        got = r["metrics"]["actor/lr_scale"]
+        assert got == pytest.approx([e["scale"] for e in expected], rel=1e-9)
+        assert r["metrics"]["actor/rho_ess"] == pytest.approx(
+            [e["rho"] for e in expected], rel=1e-9
+        )
+
+
+@pytest.mark.parametrize("src", SNAPSHOTS, ids=[p.name for p in SNAPSHOTS])
+def test_each_step_uses_its_mini_batch_scale_dp2(tmp_path, src):
+    """ESS_LR_ENABLE=1 (geometric weights): per optimizer step over that step's mini-batch."""
+    results = _run(tmp_path, src, {"env": {"ESS_LR_ENABLE": "1", "ESS_LR_FLOOR": "0.05"}})
+    expected = _expected_scales(results, floor=0.05)
+    assert len(expected) == 2 and expected[0]["scale"] != expected[1]["scale"]
+    assert all(e["scale"] < 1 for e in expected)
+    _check_applied(results, expected)
+    assert "verl: actor MegatronPPOActor.update_policy" in results[0]["shapes"]["verl"]
+
+
+@pytest.mark.parametrize("src", SNAPSHOTS, ids=[p.name for p in SNAPSHOTS])
+def test_vcpo_ess_scaling_keys_shuffled_two_epochs(tmp_path, src):
+    """VCPO's actor.ess_scaling keys given as Hydra ``+`` overrides to verl's own config, the
+    actor built on verl's real McoreActorConfig (through the wrapped omega_conf_to_dataclass):
+    product weights, linear rule, base_ess_ratio; verl's shuffled mini-batches over two epochs
+    (4 steps), ids read back from what each step held."""
+    actor = "actor_rollout_ref.actor"
+    scenario = {
+        "hydra": [
+            f"+{actor}.ess_scaling.enable=true",
+            f"+{actor}.ess_scaling.scaling_rule=linear",
+            f"+{actor}.ess_scaling.base_ess_ratio=0.8",
+            f"{actor}.ppo_mini_batch_size=2",
+            f"{actor}.ppo_micro_batch_size_per_gpu=2",
+            f"{actor}.shuffle=true",
+            f"{actor}.ppo_epochs=2",
+        ],
+        "env": {"ESS_LR_FLOOR": "0.01"},
+    }
+    results = _run(tmp_path, src, scenario)
+    assert results[0]["config_type"] == "McoreActorConfig"
+    expected = _expected_scales(results, mode="product", rule="linear", base_ratio=0.8, floor=0.01)
+    assert len(expected) == 4
+    _check_applied(results, expected)
+
+
+@pytest.mark.parametrize("src", SNAPSHOTS[:1], ids=[p.name for p in SNAPSHOTS[:1]])
+def test_rollout_granularity_and_megatron_installed_too(tmp_path, src):
+    """ESS_LR_GRANULARITY=rollout: one ESS over the whole rollout for every step; with
+    install("megatron") as well, each update is still scaled exactly once."""
+    scenario = {
+        "env": {"ESS_LR_ENABLE": "1", "ESS_LR_GRANULARITY": "rollout", "ESS_LR_FLOOR": "0.05"},
+        "integrations": "megatron,verl",
+    }
+    results = _run(tmp_path, src, scenario)
+    batch = _batch()
+    whole = reference_ess(
+        [x.double() for x in batch["old_log_probs"]],
+        [x.double() for x in batch["rollout_log_probs"]],
+        list(batch["mask"]),
+        floor=0.05,
+    )
+    _check_applied(results, [whole, whole])
+
+
+@pytest.mark.parametrize(("cp", "pp"), [(2, 1), (1, 2)])
+def test_cp_and_pp_ranks_agree_with_dp_only(tmp_path, cp, pp):
+    """CP ranks hold whole sequences and every PP stage the whole batch: every rank applies
+    the scale computed over DP alone (last stage, broadcast over PP)."""
+    src = SNAPSHOTS[0]
+    results = _run(tmp_path, src, {"env": {"ESS_LR_ENABLE": "1"}}, dp=2, cp=cp, pp=pp)
+    assert len(results) == 4
+    _check_applied(results, _expected_scales(results))
+
+
+@pytest.mark.parametrize(
+    ("scenario", "message"),
+    [
+        ({"bypass": True}, "old_log_probs equal rollout_log_probs"),
+        ({"no_rollout_log_probs": True}, "rollout.calculate_log_probs=True"),
+    ],
+    ids=["bypass_mode", "no_rollout_log_probs"],
+)
+def test_nothing_to_measure_raises_on_every_rank_and_changes_nothing(tmp_path, scenario, message):
+    src = SNAPSHOTS[0]
+    results = _run(tmp_path, src, {**scenario, "env": {"ESS_LR_ENABLE": "1"}})
+    for r in results:
+        assert message in r["error"]
+        assert r["applied"] == [] and r["after"] == r["scheduled"] and r["armed_after"] is None
+
+
+def test_disabled_changes_nothing(tmp_path):
+    """No ESS_LR_ENABLE, no ess_scaling: LRs as scheduled, no actor/ESS metrics."""
+    results = _run(tmp_path, SNAPSHOTS[0], {"env": {}}, dp=1)
+    (r,) = results
+    assert "error" not in r, r.get("error")
+    assert r["applied"] == [r["scheduled"]] * 4
+    assert not any(k.startswith(("actor/lr_scale", "actor/rho_ess")) for k in r["metrics"])
+
+
+def test_shadow_logs_but_never_scales(tmp_path):
+    results = _run(tmp_path, SNAPSHOTS[0], {"env": {"ESS_LR_SHADOW": "1"}})
+    expected = _expected_scales(results)
+    for r in results:
+        assert "error" not in r, r.get("error")
+        assert all(lrs == r["scheduled"] for lrs in r["applied"])
+        assert "actor/lr_scale" not in r["metrics"]
+        assert r["metrics"]["actor/ess_lr_shadow_scale"] == pytest.approx(
+            [e["scale"] for e in expected], rel=1e-9
+        )
+        assert not math.isnan(r["metrics"]["actor/rho_ess"][0])
+
+
+def _config_rank(src: str) -> dict:
+    sys.path.insert(0, str(HERE))
+    import verl_rank
+
+    return verl_rank.config_probe(src)
+
+
+@pytest.mark.parametrize("src", SNAPSHOTS, ids=[p.name for p in SNAPSHOTS])
+def test_vcpo_keys_through_verls_hydra_config(tmp_path, src):
+    """verl's real config: ``+actor_rollout_ref.actor.ess_scaling...`` composes, verl's own
+    check rejects the unknown node, install("verl") takes it out, carries it on the
+    McoreActorConfig and maps it; bad VCPO settings fail with the key named."""
+    from ess_patch import EssLrConfig
+
+    (r,) = run_ranks(_config_rank, args=(str(src),), tmp_path=tmp_path, timeout=240)
+    assert "Could not override" in r["without_plus"]  # Hydra needs the '+' for a new key
+    assert "unexpected keyword argument 'ess_scaling'" in r["uninstalled"]
+    assert r["installed"] == "ok" and r["type"] == "McoreActorConfig"
+    assert r["carried"] == {
+        "enable": True,
+        "scaling_rule": "linear",
+        "base_ess_ratio": 0.5,
+        "use_clipped": True,
+        "rollout_is_threshold": 2.0,
+    }
+    assert r["node_kept"]  # verl's DictConfig is given back as it was
+    assert r["settings"] == (
+        True,
+        EssLrConfig(
+            weight_mode="product",
+            rule="linear",
+            base_ratio=0.5,
+            granularity="step",
+            weight_clip=2.0,
+        ),
+    )
+    assert "unknown key(s) enabled" in r["unknown_key"]
+    assert "ESS_LR_WEIGHT_CLIP" in r["clip_without_threshold"]
+
+
+def _engine_rank(src: str, scenario: dict) -> dict:
+    sys.path.insert(0, str(HERE))
+    import verl_rank
+
+    return verl_rank.run_engine(src, scenario)
+
+
+@pytest.mark.parametrize("src", SNAPSHOTS, ids=[p.name for p in SNAPSHOTS])
+def test_engine_path_each_step_uses_its_mini_batch_scale_dp2(tmp_path, src):
+    """The engine path (use_legacy_worker_impl=disable): verl's real update_actor ->
+    train_mini_batch -> train_batch; each engine optimizer step at its mini-batch's scale,
+    lr_scale in the step metrics (the driver prefixes actor/), the critic's TrainingWorker
+    unscaled."""
+    scenario = {"env": {"ESS_LR_ENABLE": "1", "ESS_LR_FLOOR": "0.05"}, "shuffle": True}
+    results = run_ranks(
+        _engine_rank, dp=2, args=(str(src), scenario), tmp_path=tmp_path, timeout=240
+    )
+    expected = _expected_scales(results, floor=0.05)
+    assert len(expected) == 2
+    for r in results:
+        r["metrics"] = {"actor/" + k: v for k, v in r.get("metrics", {}).items()}
+    _check_applied(results, expected)
+
+
+@pytest.mark.parametrize(("dp", "pp"), [(2, 1), (2, 2)])
+def test_a_nan_on_one_rank_raises_on_every_rank_before_any_update(tmp_path, dp, pp):
+    """Sample 1 (DP rank 0's first mini-batch) has a NaN log-prob: every rank of every stage
+    raises at that step (the NaN policy is "raise"), nothing was updated, nothing stays armed."""
+    scenario = {"env": {"ESS_LR_ENABLE": "1"}, "nan_sample": 1}
+    results = _run(tmp_path, SNAPSHOTS[0], scenario, dp=dp, pp=pp)
+    for r in results:
+        last = r["coords"][2] == pp - 1  # computes (and raises alike on every DP rank)
+        expected = "NonFiniteLogProbError" if last else "InvalidInputsElsewhereError"
+        assert r["error"].split(":")[0] == expected, r["error"]
+        assert r["applied"] == [] and r["after"] == r["scheduled"] and r["armed_after"] is None
+
+
+def test_the_auto_installer_covers_a_verl_worker(tmp_path):
+    """ESS_PATCH_AUTO_INSTALL=1 with ESS_PATCH_INTEGRATIONS=verl (what the .pth line runs in
+    each Ray worker) before verl is imported: the same per-step scales."""
+    scenario = {"env": {"ESS_LR_ENABLE": "1"}, "autoinstall": True}
+    results = _run(tmp_path, SNAPSHOTS[0], scenario)
+    _check_applied(results, _expected_scales(results))
+
+
+def _missing_rank(src: str) -> dict:
+    sys.path.insert(0, str(HERE))
+    import verl_rank
+
+    return verl_rank.missing_probe(src)
+
+
+def test_a_verl_without_the_hooked_symbols_is_refused_by_name(tmp_path):
+    (r,) = run_ranks(_missing_rank, args=(str(SNAPSHOTS[0]),), tmp_path=tmp_path, timeout=240)
+    assert r["missing"].startswith("MissingTargetError")
+    assert "MegatronPPOActor.make_minibatch_iterator does not exist" in r["missing"]
+    assert "Supported: verl v0.7.0" in r["missing"]
+    assert (r["installed"], r["targets"]) == (False, [])
+    assert "update_policy has no parameter dataloader" in r["parameter"]
+
+
+def test_engine_path_rollout_granularity(tmp_path):
+    """ESS_LR_GRANULARITY=rollout on the engine path: the ESS over the whole batch
+    update_actor got (every DP rank), for each engine step."""
+    env = {"ESS_LR_ENABLE": "1", "ESS_LR_GRANULARITY": "rollout", "ESS_LR_FLOOR": "0.05"}
+    results = run_ranks(
+        _engine_rank, dp=2, args=(str(SNAPSHOTS[0]), {"env": env}), tmp_path=tmp_path, timeout=240
+    )
+    batch = _batch()
+    whole = reference_ess(
+        [x.double() for x in batch["old_log_probs"]],
+        [x.double() for x in batch["rollout_log_probs"]],
+        list(batch["mask"]),
+        floor=0.05,
+    )
+    for r in results:
+        r["metrics"] = {"actor/" + k: v for k, v in r.get("metrics", {}).items()}
+    _check_applied(results, [whole, whole])
+
+
+def _backends_rank(src: str) -> dict:
+    sys.path.insert(0, str(HERE))
+    import verl_rank
+
+    return verl_rank.other_backends_probe(src)
+
+
+def test_fsdp_actor_and_engine_are_refused_while_on_and_untouched_while_off(tmp_path):
+    (r,) = run_ranks(_backends_rank, args=(str(SNAPSHOTS[0]),), tmp_path=tmp_path, timeout=240)
+    for name in ("fsdp", "engine"):
+        assert r[f"{name}_1"].startswith("NotImplementedError"), r[f"{name}_1"]
+        assert "strategy 'fsdp' is not supported" in r[f"{name}_1"]
+        assert not r[f"{name}_0"].startswith("NotImplementedError")  # verl's own error

@@ -1,0 +1,90 @@
+"""patches/verl on copies of every verl snapshot: apply / check / revert with ess-patch's own
+CLI, the series the exact twin of ``install("verl")``, and verl's real actor on the patched
+copy with NO ``install()``: each optimizer step at its mini-batch's float64 reference scale,
+legacy actor and engine path alike (the same checks as test_verl.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import run_ranks
+from test_verl import (
+    SKIP,
+    SNAPSHOTS,
+    _check_applied,
+    _engine_rank,
+    _expected_scales,
+    _rank,
+)
+
+from ess_patch import patchset
+from ess_patch.patchset.cli import main as patches_main
+
+pytestmark = [pytest.mark.dist, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
+
+#: the upstream commit each snapshot folder is (../shared/upstream/README.md)
+COMMITS = {
+    "verl-b178a3cd5": "b178a3cd5",
+    "verl-v0.7.0": "f9c855f7c",
+}
+TOUCHED = {
+    "verl/utils/config.py",
+    "verl/workers/actor/megatron_actor.py",
+    "verl/workers/engine_workers.py",
+    "verl/workers/actor/dp_actor.py",
+}
+
+
+def _hashes(tree: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(tree)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(tree.rglob("*.py"))
+    }
+
+
+@pytest.fixture(params=SNAPSHOTS, ids=[p.name for p in SNAPSHOTS])
+def patched(request, tmp_path) -> Path:
+    tree = tmp_path / request.param.name
+    shutil.copytree(request.param, tree, ignore=shutil.ignore_patterns("__pycache__"))
+    before = _hashes(tree)
+    found = patchset.detect(tree)
+    assert (found.component, found.version) == ("verl", COMMITS[request.param.name])
+    series, _ = patchset.select_series(found)
+    assert patchset.series_gaps(series, tree) == []  # decorates exactly what install() wraps
+    assert patches_main(["apply", "--target", str(tree)]) == 0
+    assert patches_main(["check", "--target", str(tree)]) == 0
+    after = _hashes(tree)
+    assert {k for k in before if before[k] != after[k]} == TOUCHED
+    return tree
+
+
+def test_revert_restores_the_snapshot_byte_for_byte(patched):
+    assert patches_main(["revert", "--target", str(patched)]) == 0
+    original = next(p for p in SNAPSHOTS if p.name == patched.name)
+    assert _hashes(patched) == _hashes(original)
+
+
+def test_patched_legacy_actor_scales_each_step_without_install(patched, tmp_path):
+    scenario = {"env": {"ESS_LR_ENABLE": "1", "ESS_LR_FLOOR": "0.05"}, "vendored": True}
+    results = run_ranks(
+        _rank, dp=2, args=(str(patched), scenario), tmp_path=tmp_path / "run", timeout=240
+    )
+    assert not any(r["installed"] for r in results)
+    _check_applied(results, _expected_scales(results, floor=0.05))
+
+
+def test_patched_engine_path_scales_each_step_without_install(patched, tmp_path):
+    scenario = {"env": {"ESS_LR_ENABLE": "1", "ESS_LR_FLOOR": "0.05"}, "vendored": True}
+    results = run_ranks(
+        _engine_rank, dp=2, args=(str(patched), scenario), tmp_path=tmp_path / "run", timeout=240
+    )
+    expected = _expected_scales(results, floor=0.05)
+    for r in results:
+        r["metrics"] = {"actor/" + k: v for k, v in r.get("metrics", {}).items()}
+    _check_applied(results, expected)

@@ -1,0 +1,486 @@
+"""What one rank runs in the verl tests: verl's REAL Megatron actor (and critic) on CPU.
+
+Real: ``MegatronPPOActor.make_minibatch_iterator`` / ``update_policy``,
+``MegatronPPOCritic.update_critic``, ``DataProto`` and its iterator, megatron-core's
+optimizer (built on CPU by ``tests/megatron_cpu.py``), megatron's process groups, ess-patch's
+``install("verl")``. Not real, because it cannot run on CPU: the model. Each actor's
+``forward_backward_batch`` (not wrapped by ess-patch) is replaced on the instance by a DDP
+forward/backward of megatron_cpu's tiny net, which also records which samples the mini-batch
+held (their id is ``input_ids[:, 0]``: ``make_minibatch_iterator`` keeps only verl's keys).
+Two CPU shims: ``transformers.AutoModelForVision2Seq`` (verl imports this transformers<5
+name; the frameworks tier pins transformers 5, which calls it ``AutoModelForImageTextToText``)
+and ``torch.cpu.empty_cache`` (``update_policy`` ends with ``get_torch_device().empty_cache()``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+
+#: the batch every test uses: N trajectories of R response tokens, split over DP by verl's
+#: contiguous chunking
+N, R, PROMPT = 8, 6, 3
+
+
+def global_batch(seed: int, *, bypass: bool = False) -> dict[str, torch.Tensor]:
+    """old / rollout log-probs and masks of the whole rollout (float32, as verl's batch).
+
+    Per-trajectory offsets make the mini-batches' ESS differ; trajectory 5 has no counted
+    token (left out of the ESS).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    rollout = -torch.rand(N, R, generator=gen) * 2.0
+    offsets = torch.linspace(-0.6, 0.5, N).unsqueeze(1)
+    old = rollout + offsets + 0.05 * torch.randn(N, R, generator=gen)
+    mask = (torch.rand(N, R, generator=gen) > 0.25).to(torch.int64)
+    mask[:, 0] = 1
+    mask[5] = 0
+    if bypass:
+        old = rollout.clone()
+    return {"old_log_probs": old.float(), "rollout_log_probs": rollout.float(), "mask": mask}
+
+
+def _import_verl(src: str) -> None:
+    sys.path.insert(0, src)
+    import transformers
+
+    if not hasattr(transformers, "AutoModelForVision2Seq"):
+        transformers.AutoModelForVision2Seq = transformers.AutoModelForImageTextToText
+    if not hasattr(torch.cpu, "empty_cache"):
+        torch.cpu.empty_cache = lambda: None
+
+
+def composed(src: str, overrides: list[str]) -> Any:
+    """verl's own ``ppo_megatron_trainer`` config, composed by Hydra with ``overrides``."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=f"{src}/verl/trainer/config", version_base=None):
+        return compose("ppo_megatron_trainer", overrides=overrides)
+
+
+def _install(scenario: dict) -> None:
+    """``install()`` (default), or, for a tree patched with patches/verl (``"vendored"``),
+    nothing: its decorators must do everything, and must be what is in place."""
+    import ess_patch
+
+    if scenario.get("autoinstall"):  # what the .pth line does at a Ray worker's start-up
+        from ess_patch import autoinstall
+
+        os.environ.update(ESS_PATCH_AUTO_INSTALL="1", ESS_PATCH_INTEGRATIONS="verl")
+        assert autoinstall.run()
+        return
+    if not scenario.get("vendored"):
+        ess_patch.install(scenario.get("integrations", "verl"))
+        return
+    from verl.utils import config
+    from verl.workers import engine_workers
+    from verl.workers.actor import dp_actor, megatron_actor
+
+    from ess_patch.vendored import is_vendored
+
+    decorated = [
+        vars(megatron_actor.MegatronPPOActor)["update_policy"],
+        vars(megatron_actor.MegatronPPOActor)["make_minibatch_iterator"],
+        vars(engine_workers.ActorRolloutRefWorker)["update_actor"],
+        vars(engine_workers.TrainingWorker)["train_batch"],
+        vars(dp_actor.DataParallelPPOActor)["update_policy"],
+        config.omega_conf_to_dataclass,
+    ]
+    assert all(is_vendored(f) for f in decorated), "the tree is not patched"
+    assert not ess_patch.is_installed()
+
+
+def _config(scenario: dict, src: str = "") -> Any:
+    """The actor's config: verl's real McoreActorConfig from Hydra overrides (``"hydra"``),
+    through verl's own (wrapped) ``omega_conf_to_dataclass``; else a DictConfig."""
+    from omegaconf import OmegaConf
+
+    if "hydra" in scenario:
+        import verl.utils.config
+
+        root = composed(src, scenario["hydra"])
+        return verl.utils.config.omega_conf_to_dataclass(root.actor_rollout_ref.actor)
+
+    node = {
+        "ppo_mini_batch_size": scenario.get("mini_batch", 2),
+        "ppo_micro_batch_size_per_gpu": 2,
+        "ppo_epochs": scenario.get("epochs", 1),
+        "data_loader_seed": 7,
+        "shuffle": scenario.get("shuffle", False),
+        "use_kl_loss": False,
+        "entropy_coeff": 0.0,
+        "use_dynamic_bsz": False,
+        "ppo_max_token_len_per_gpu": 64,
+        "megatron": {"context_parallel_size": 1},
+        "router_replay": {"mode": "disabled"},
+    }
+    if "ess_scaling" in scenario:
+        node["ess_scaling"] = scenario["ess_scaling"]
+    return OmegaConf.create(node)
+
+
+def _local(scenario: dict, dp_rank: int, dp_size: int) -> Any:
+    from verl import DataProto
+
+    full = global_batch(scenario.get("seed", 0), bypass=scenario.get("bypass", False))
+    if "nan_sample" in scenario:  # a non-finite log-prob in one DP rank's chunk only
+        full["old_log_probs"][scenario["nan_sample"], 0] = float("nan")
+    ids = torch.arange(N)
+    input_ids = torch.cat([ids.unsqueeze(1), torch.ones(N, PROMPT + R - 1, dtype=torch.long)], 1)
+    tensors = {
+        "old_log_probs": full["old_log_probs"],
+        "rollout_log_probs": full["rollout_log_probs"],
+        "response_mask": full["mask"],
+        "responses": torch.ones(N, R, dtype=torch.long),
+        "input_ids": input_ids,
+        "attention_mask": torch.ones(N, PROMPT + R, dtype=torch.long),
+        "position_ids": torch.arange(PROMPT + R).expand(N, -1).clone(),
+        "advantages": torch.zeros(N, R),
+    }
+    if scenario.get("no_rollout_log_probs"):
+        del tensors["rollout_log_probs"]
+    data = DataProto.from_dict(tensors=tensors, meta_info={"micro_batch_size": 2})
+    return data.chunk(dp_size)[dp_rank]  # verl's dispatch: contiguous chunks by DP rank
+
+
+def _lr_recorder(optimizer: Any, into: list) -> None:
+    """Record each inner torch optimizer's LRs as its update runs (observation only)."""
+    for child in getattr(optimizer, "chained_optimizers", [optimizer]):
+        child.optimizer.register_step_pre_hook(
+            lambda opt, _a, _k: into.append([g["lr"] for g in opt.param_groups])
+        )
+
+
+def _stand_in_forward(setup: Any, seen: list, key: str) -> Any:
+    from megatron_cpu import batch, forward_backward
+
+    def forward_backward_batch(data: Any, **_kwargs: Any) -> dict:
+        seen.append(data.batch["input_ids"][:, 0].tolist())
+        x, y = batch(len(seen), 0)
+        forward_backward(setup, x, y)
+        return {"output": [[{key: 0.0}, None]] if key.startswith("actor") else [{key: 0.0}]}
+
+    return forward_backward_batch
+
+
+def run(src: str, scenario: dict) -> dict:
+    """One rank: install, build the real actor (and critic), run one update; report."""
+    os.environ.update(scenario.get("env", {}))
+    _import_verl(src)
+    import ess_patch
+
+    _install(scenario)
+    from megatron.core import parallel_state as mpu
+    from megatron_cpu import build_megatron_optimizer
+    from verl.workers.actor.megatron_actor import MegatronPPOActor
+    from verl.workers.critic.megatron_critic import MegatronPPOCritic
+
+    from ess_patch.demo.cpu import megatron_on_cpu
+
+    dp_rank = mpu.get_data_parallel_rank(with_context_parallel=False)
+    dp_size = mpu.get_data_parallel_world_size(with_context_parallel=False)
+    out: dict[str, Any] = {
+        "coords": (dp_rank, mpu.get_context_parallel_rank(), mpu.get_pipeline_model_parallel_rank())
+    }
+    with megatron_on_cpu():
+        actor_setup = build_megatron_optimizer("fp32", optimizer="adam", seed=1)
+        critic_setup = build_megatron_optimizer("fp32", optimizer="adam", seed=2)
+        actor = object.__new__(MegatronPPOActor)  # the model cannot be built on CPU
+        vars(actor).update(
+            config=_config(scenario, src),
+            actor_module=actor_setup.models,
+            actor_optimizer=actor_setup.optimizer,
+            enable_routing_replay=False,
+            use_torch_profiler=False,
+            prof=None,
+        )
+        seen: list = []
+        actor.forward_backward_batch = _stand_in_forward(actor_setup, seen, "actor/pg_loss")
+        applied: list = []
+        _lr_recorder(actor_setup.optimizer, applied)
+        out["scheduled"] = [g["lr"] for g in actor_setup.optimizer.param_groups]
+        out["config_type"] = type(actor.config).__name__
+        try:
+            loader = actor.make_minibatch_iterator(_local(scenario, dp_rank, dp_size))
+            out["metrics"] = actor.update_policy(dataloader=loader)
+        except Exception as exc:  # reported, not raised: the test compares every rank's error
+            out["error"] = f"{type(exc).__name__}: {exc}"
+        out.update(seen=seen, applied=applied)
+        out["after"] = [g["lr"] for g in actor_setup.optimizer.param_groups]
+        out["armed_after"] = ess_patch.armed()
+
+        critic = object.__new__(MegatronPPOCritic)
+        vars(critic).update(
+            config=_config({}),
+            critic_module=critic_setup.models,
+            critic_optimizer=critic_setup.optimizer,
+        )
+        critic_seen: list = []
+        critic.forward_backward_batch = _stand_in_forward(critic_setup, critic_seen, "critic/vf")
+        critic_applied: list = []
+        _lr_recorder(critic_setup.optimizer, critic_applied)
+        out["critic_scheduled"] = [g["lr"] for g in critic_setup.optimizer.param_groups]
+        critic_data = _local({}, dp_rank, dp_size)
+        critic_data = critic_data.select(["input_ids", "responses", "attention_mask"])
+        critic.update_critic(critic_data.make_iterator(mini_batch_size=2, epochs=1))
+        out["critic_applied"] = critic_applied
+    from ess_patch.install import installed_shapes
+
+    out["shapes"] = installed_shapes()
+    out["installed"] = ess_patch.is_installed()
+    return out
+
+
+def config_probe(src: str) -> dict:
+    """verl's real Hydra config and ``omega_conf_to_dataclass`` with VCPO's keys, before and
+    after ``install("verl")``: what each step gave or raised."""
+    _import_verl(src)
+    import verl.utils.config
+
+    import ess_patch
+    from ess_patch.integrations.verl import settings
+
+    actor = "actor_rollout_ref.actor"
+    base = [f"{actor}.ppo_micro_batch_size_per_gpu=2"]
+    vcpo = [
+        f"+{actor}.ess_scaling.enable=true",
+        f"+{actor}.ess_scaling.scaling_rule=linear",
+        f"+{actor}.ess_scaling.base_ess_ratio=0.5",
+        f"+{actor}.ess_scaling.use_clipped=true",
+        f"+{actor}.ess_scaling.rollout_is_threshold=2.0",
+    ]
+    out: dict[str, Any] = {}
+
+    def attempt(name: str, fn: Any) -> Any:
+        try:
+            value = fn()
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+            return None
+        out[name] = "ok"
+        return value
+
+    attempt("without_plus", lambda: composed(src, [*base, f"{actor}.ess_scaling.enable=true"]))
+    root = composed(src, [*base, *vcpo])
+    node = root.actor_rollout_ref.actor
+    attempt("uninstalled", lambda: verl.utils.config.omega_conf_to_dataclass(node))
+    ess_patch.install("verl")
+    config = attempt("installed", lambda: verl.utils.config.omega_conf_to_dataclass(node))
+    out["type"] = type(config).__name__
+    out["carried"] = getattr(config, "ess_scaling", None)
+    out["node_kept"] = "ess_scaling" in node
+    chosen = settings(config, environ={})
+    out["settings"] = (chosen.enabled, chosen.config)
+    bad = composed(src, [*base, f"+{actor}.ess_scaling.enabled=true"])
+    attempt(
+        "unknown_key",
+        lambda: verl.utils.config.omega_conf_to_dataclass(bad.actor_rollout_ref.actor),
+    )
+    no_clip = composed(src, [*base, f"+{actor}.ess_scaling.use_clipped=true"])
+    attempt(
+        "clip_without_threshold",
+        lambda: settings(no_clip.actor_rollout_ref.actor, environ={"ESS_LR_ENABLE": "1"}),
+    )
+    return out
+
+
+class _CpuEngine:
+    """Stand-in for verl's model engine (``workers/engine/megatron``), which builds a real
+    model and cannot run on CPU: the engine's part of ``train_batch`` (zero grads, forward /
+    backward, ``optimizer.step()``) on megatron_cpu's tiny net and a real megatron-core
+    optimizer, recording which samples each mini-batch held. Not wrapped by ess-patch."""
+
+    def __init__(self, setup: Any, seen: list) -> None:
+        self.setup, self.seen, self.optimizer = setup, seen, setup.optimizer
+
+    def get_data_parallel_size(self) -> int:
+        from megatron.core import parallel_state as mpu
+
+        return mpu.get_data_parallel_world_size()
+
+    def get_data_parallel_rank(self) -> int:
+        from megatron.core import parallel_state as mpu
+
+        return mpu.get_data_parallel_rank()
+
+    def get_data_parallel_group(self) -> Any:
+        from megatron.core import parallel_state as mpu
+
+        return mpu.get_data_parallel_group()
+
+    def is_mp_src_rank_with_outputs(self) -> bool:
+        return True
+
+    def train_mode(self, **_kwargs: Any) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def train_batch(self, data: Any, loss_function: Any) -> dict:
+        from megatron_cpu import batch, forward_backward
+
+        ids = [int(row[0]) for row in data["input_ids"].unbind()]
+        self.seen.append(ids)
+        x, y = batch(len(self.seen), 0)
+        forward_backward(self.setup, x, y)
+        ok, grad_norm, _ = self.optimizer.step()
+        assert ok
+        return {"metrics": {"grad_norm": grad_norm}, "loss": [0.0], "model_output": {}}
+
+    def lr_scheduler_step(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+
+def run_engine(src: str, scenario: dict) -> dict:
+    """One rank of the engine path: verl's real ``ActorRolloutRefWorker.update_actor`` ->
+    ``TrainingWorker.train_mini_batch`` -> ``train_batch`` on a batch in verl's no-padding
+    layout, the engine a CPU stand-in; then the critic's TrainingWorker."""
+    from types import SimpleNamespace
+
+    os.environ.update(scenario.get("env", {}))
+    _import_verl(src)
+    import ess_patch
+
+    _install(scenario)
+    from megatron.core import parallel_state as mpu
+    from megatron_cpu import build_megatron_optimizer
+    from omegaconf import OmegaConf
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
+
+    from ess_patch.demo.cpu import megatron_on_cpu
+
+    dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+    out: dict[str, Any] = {"coords": (dp_rank, 0, 0)}
+
+    def trainer(setup: Any, seen: list) -> Any:
+        worker = object.__new__(TrainingWorker)  # Ray actor and engine cannot be built on CPU
+        vars(worker).update(
+            engine=_CpuEngine(setup, seen),
+            loss_fn=lambda *a, **k: None,
+            engine_config=SimpleNamespace(
+                forward_only=False,
+                use_dynamic_bsz=False,
+                max_token_len_per_gpu=64,
+                micro_batch_size_per_gpu=2,
+                use_fused_kernels=False,
+            ),
+            model_config=SimpleNamespace(use_remove_padding=True),
+            device_name="cpu",
+            flops_counter=SimpleNamespace(estimate_flops=lambda *_a, **_k: (0.0, 1.0)),
+        )
+        return worker
+
+    def prepared() -> Any:
+        data = _local(scenario, dp_rank, dp_size).batch  # verl's TensorDict of this DP rank
+        # what verl's left_right_2_no_padding makes of it (its unpad_input needs flash_attn,
+        # a CUDA package; every token is attended here, so the rows are the sequences)
+        data["input_ids"] = torch.nested.as_nested_tensor(
+            list(data["input_ids"].unbind()), layout=torch.jagged
+        )
+        data["position_ids"] = torch.nested.as_nested_tensor(
+            list(data["position_ids"].unbind()), layout=torch.jagged
+        )
+        data["loss_mask"] = data["response_mask"]
+        tu.assign_non_tensor(data, max_seq_len=PROMPT + R, max_response_len=R)
+        tu.assign_non_tensor(
+            data,
+            mini_batch_size=2 * dp_size,
+            epochs=scenario.get("epochs", 1),
+            seed=7,
+            dataloader_kwargs={"shuffle": scenario.get("shuffle", False)},
+        )
+        return data
+
+    with megatron_on_cpu():
+        actor_setup = build_megatron_optimizer("fp32", optimizer="adam", seed=1)
+        critic_setup = build_megatron_optimizer("fp32", optimizer="adam", seed=2)
+        seen: list = []
+        worker = object.__new__(ActorRolloutRefWorker)
+        vars(worker).update(
+            actor=trainer(actor_setup, seen),
+            config=OmegaConf.create({"actor": _config(scenario, src)}),
+        )
+        applied: list = []
+        _lr_recorder(actor_setup.optimizer, applied)
+        out["scheduled"] = [g["lr"] for g in actor_setup.optimizer.param_groups]
+        try:
+            output = worker.update_actor(prepared())
+            out["metrics"] = dict(tu.get(output, "metrics"))
+        except Exception as exc:
+            out["error"] = f"{type(exc).__name__}: {exc}"
+        out.update(seen=seen, applied=applied, armed_after=ess_patch.armed())
+        out["after"] = [g["lr"] for g in actor_setup.optimizer.param_groups]
+
+        critic = trainer(critic_setup, [])
+        critic_applied: list = []
+        _lr_recorder(critic_setup.optimizer, critic_applied)
+        out["critic_scheduled"] = [g["lr"] for g in critic_setup.optimizer.param_groups]
+        critic.train_mini_batch(prepared())
+        out["critic_applied"] = critic_applied
+    return out
+
+
+def missing_probe(src: str) -> dict:
+    """A verl whose actor lacks a hooked method (or a parameter): what install() says, and
+    that nothing of verl stays patched."""
+    _import_verl(src)
+    from verl.workers.actor.megatron_actor import MegatronPPOActor
+
+    import ess_patch
+    from ess_patch.install import installed_targets
+
+    out: dict[str, Any] = {}
+    saved = vars(MegatronPPOActor)["make_minibatch_iterator"]
+    del MegatronPPOActor.make_minibatch_iterator
+    try:
+        ess_patch.install("verl")
+    except Exception as exc:
+        out["missing"] = f"{type(exc).__name__}: {exc}"
+    out["installed"], out["targets"] = ess_patch.is_installed(), installed_targets()
+    MegatronPPOActor.make_minibatch_iterator = saved
+
+    def renamed(self, batches):  # update_policy without a ``dataloader`` parameter
+        return {}
+
+    original = vars(MegatronPPOActor)["update_policy"]
+    MegatronPPOActor.update_policy = renamed
+    try:
+        ess_patch.install("verl")
+    except Exception as exc:
+        out["parameter"] = f"{type(exc).__name__}: {exc}"
+    MegatronPPOActor.update_policy = original
+    return out
+
+
+def other_backends_probe(src: str) -> dict:
+    """verl's FSDP actor and a non-Megatron engine with ESS-LR on: refused, by name; off:
+    verl's own code runs (and here fails on its own, on a batch of None)."""
+    from omegaconf import OmegaConf
+
+    _import_verl(src)
+    import ess_patch
+
+    ess_patch.install("verl")
+    from verl.workers.actor.dp_actor import DataParallelPPOActor
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    out: dict[str, Any] = {}
+    actor = object.__new__(DataParallelPPOActor)
+    vars(actor).update(config=OmegaConf.create({"strategy": "fsdp"}))
+    worker = object.__new__(ActorRolloutRefWorker)
+    vars(worker).update(actor=object(), config=OmegaConf.create({"actor": {"strategy": "fsdp"}}))
+    for enable in ("1", "0"):
+        os.environ["ESS_LR_ENABLE"] = enable
+        for name, call in (
+            ("fsdp", lambda: actor.update_policy(None)),
+            ("engine", lambda: worker.update_actor(None)),
+        ):
+            try:
+                call()
+            except Exception as exc:
+                out[f"{name}_{enable}"] = f"{type(exc).__name__}: {exc}"
+    return out
