@@ -26,6 +26,7 @@ from typing import Any
 from ..patching import Target
 from . import Integration
 from .binding import bind, call_with
+from .loss_ledger import loss_targets, steps_per_rollout_refusal
 from .rl_hooks import (
     METRIC_PREFIX,
     Framework,
@@ -121,15 +122,52 @@ def _unsupported_reason(args: argparse.Namespace) -> str | None:
     return None if backend == "megatron" else f"--train-backend {backend} (supported: megatron)"
 
 
+def _reuses_log_probs_in_loss(args: Any, rollout_data: Any) -> bool:
+    """slime >= v0.3.0's ``can_reuse_log_probs_in_loss`` (``megatron_utils/actor.py``): one
+    optimizer step per rollout and no reason to keep separate old log-probs, so the separate
+    log-prob forward is skipped. (Older slime always recomputes; measuring in the loss is then
+    just as exact: with one step, the loss runs the same weights on the same samples.)"""
+    steps = (rollout_data or {}).get("num_microbatches")
+    return (
+        steps is not None
+        and len(steps) == 1
+        and getattr(args, "loss_type", "policy_loss") == "policy_loss"
+        and not getattr(args, "kl_coef", 0)
+        and not getattr(args, "use_critic", False)
+        and not getattr(args, "use_opd", False)
+        and getattr(args, "advantage_estimator", None) != "gspo"
+        and (
+            not getattr(args, "use_routing_replay", False)
+            or getattr(args, "use_rollout_routing_replay", False)
+        )
+    )
+
+
+def _measure_in_loss(args: Any, rollout_data: Any) -> str | None:
+    """Why the advantage hook's ``log_probs`` are not the current policy's (None: they are)."""
+    if getattr(args, "keep_old_actor", False):
+        return "--keep-old-actor computes log_probs with the old actor's weights"
+    if rollout_logprobs_only(args):
+        return "--use-rollout-logprobs without --get-mismatch-metrics computes no log_probs"
+    if _reuses_log_probs_in_loss(args, rollout_data):
+        return "slime reuses the loss's own log-probs (one optimizer step per rollout)"
+    return None
+
+
+def _no_input_reason(args: argparse.Namespace) -> str | None:
+    # Every policy-loss configuration gets measured: at the advantage hook, or inside the loss
+    # (_measure_in_loss). What remains: one ESS per rollout of several steps, inside the loss.
+    return steps_per_rollout_refusal(args, _measure_in_loss(args, None))
+
+
 SLIME_FRAMEWORK = Framework(
     name="slime",
     groups=_groups,
-    # Same rule as miles. (When slime reuses the log-probs inside the loss instead, they are
-    # missing at advantage time: a logged no-op, see README.)
-    no_input_reason=rollout_logprobs_only,
+    no_input_reason=_no_input_reason,
     unsupported_reason=_unsupported_reason,
     step_samples=slime_step_samples,
     history=SLIME_HISTORY,
+    measure_in_loss=_measure_in_loss,
 )
 
 
@@ -157,6 +195,7 @@ SLIME = Integration(
     supported=SUPPORTED,
     targets=(
         *common_targets(SLIME_FRAMEWORK, "slime.utils.arguments", _ADVANTAGE_SITES),
+        *loss_targets((_LOSS,)),
         *(
             Target(module, "", "log", log_wrapper, required=False, decorator="slime_log")
             for module, _ in _LOG_MODULES

@@ -1,0 +1,349 @@
+"""Rollouts through the REAL actor train path of slime / miles on CPU, for the ledger tests.
+
+What is real: the framework's ``parse_args`` (with ess-patch installed), the actor's
+``train_actor`` (its own decision to recompute or reuse log-probs, ``--keep-old-actor``'s model
+switch), its advantage routine, ``train`` / ``train_one_step``, ``get_batch``, the loss
+(``loss_function`` -> ``policy_loss_function`` -> ``get_log_probs_and_entropy``),
+megatron-core's ``forward_backward_no_pipelining``, DDP, the megatron-core optimizer
+(``get_megatron_optimizer``, SGD so that an update shows its LR exactly) and the framework's own
+LR scheduler builder. What is the test's own: the model (:class:`TinyLM`, a position-free
+embedding + head that takes the host's forward arguments; logits depend only on the token, so
+the test computes every log-prob independently in float64), the actor object (built without
+its Ray ``init``: the attributes ``train_actor`` reads), the weight backups of the tags the
+actor switches between, and the rollout (what the rollout side would hand the actor).
+
+:func:`run` returns, per optimizer step: the LR each param group was updated with (read by a
+step pre-hook on the inner torch optimizer), the scheduler's LR for it, the weights the step
+started from, and what the host logged; plus the rollout, so that the test can compute its
+float64 reference.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+VOCAB, HIDDEN = 11, 6
+
+
+class TinyLM(torch.nn.Module):
+    """Logits ``head(tanh(embedding(token)))`` for every position: ``[1, T, VOCAB]`` float32.
+
+    Takes the keyword arguments slime's and miles' ``forward_step`` pass (packed sequence
+    parameters and masks are not needed: no attention)."""
+
+    def __init__(self) -> None:
+        from megatron.core.enums import ModelType
+
+        super().__init__()
+        self.model_type = ModelType.encoder_or_decoder  # megatron's schedules read it
+        self.embedding = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def set_input_tensor(self, _tensor: Any) -> None:  # one pipeline stage: nothing comes in
+        pass
+
+    def forward(self, input_ids: torch.Tensor, **_ignored: Any) -> torch.Tensor:
+        return self.head(torch.tanh(self.embedding(input_ids))).float()
+
+
+def reference_log_probs(weights: dict[str, torch.Tensor], tokens: torch.Tensor, response: int):
+    """float64 log-probs of the response tokens of one sample under ``weights`` (no CP)."""
+    emb = weights["embedding.weight"].double()
+    head = weights["head.weight"].double()
+    logits = torch.tanh(emb[tokens]) @ head.T  # [T, V]
+    logp = torch.log_softmax(logits, dim=-1)
+    total = tokens.numel()
+    positions = torch.arange(total - response - 1, total - 1)
+    return logp[positions, tokens[positions + 1]]
+
+
+def weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    module = getattr(model, "module", model)
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+class Backups:
+    """The actor's ``weights_backuper`` for the test model (tags -> parameter copies)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._model = getattr(model, "module", model)
+        self._backups: dict[str, dict[str, torch.Tensor]] = {}
+
+    @property
+    def backup_tags(self) -> list[str]:
+        return list(self._backups)
+
+    @torch.no_grad()
+    def backup(self, tag: str) -> None:
+        self._backups[tag] = {n: p.detach().clone() for n, p in self._model.named_parameters()}
+
+    @torch.no_grad()
+    def restore(self, tag: str) -> None:
+        for name, p in self._model.named_parameters():
+            p.copy_(self._backups[tag][name])
+
+    def get(self, tag: str) -> dict[str, torch.Tensor]:
+        return self._backups[tag]
+
+
+def make_rollout(
+    num: int, *, seed: int, rollout_weights: dict[str, torch.Tensor], noise: float = 0.05
+) -> list[dict[str, Any]]:
+    """``num`` samples: tokens, prompt/response lengths, a loss mask with holes, a reward, and
+    the rollout engine's log-probs (the rollout policy's, plus engine noise; float32)."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(num):
+        prompt = 2 + i % 3
+        response = 3 + (i * 5) % 6
+        tokens = torch.randint(0, VOCAB, (prompt + response,), generator=g)
+        mask = (torch.rand(response, generator=g) > 0.2).int()
+        mask[0] = 1
+        exact = reference_log_probs(rollout_weights, tokens, response)
+        rollout_lp = (
+            exact + noise * torch.randn(response, generator=g, dtype=torch.float64)
+        ).float()
+        samples.append(
+            {
+                "tokens": tokens,
+                "response_length": response,
+                "total_length": prompt + response,
+                "loss_mask": mask,
+                "reward": float(torch.rand((), generator=g)),
+                "rollout_log_probs": rollout_lp,
+            }
+        )
+    return samples
+
+
+def build_optimizer(args: Any, model_chunks: list) -> tuple[Any, Any]:
+    """The real megatron-core optimizer (SGD, fp32) and the framework's own scheduler."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(
+        optimizer="sgd",
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=0.0,
+        sgd_momentum=0.0,
+        clip_grad=0.0,
+        bf16=False,
+        params_dtype=torch.float32,
+        use_distributed_optimizer=False,
+    )
+    optimizer = get_megatron_optimizer(config, model_chunks)
+    return optimizer, config
+
+
+def ddp_model(seed: int = 7) -> list:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    torch.manual_seed(seed)
+    config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=1)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=False, overlap_grad_reduce=False
+    )
+    return [DistributedDataParallel(config, ddp_config, TinyLM())]
+
+
+class StepRecorder:
+    """Per real update: the LR each param group used, the scheduler's LR for it, the weights
+    the step started from (a pre-hook on every inner torch optimizer)."""
+
+    def __init__(self, optimizer: Any, scheduler: Any, model: torch.nn.Module) -> None:
+        self.steps: list[dict[str, Any]] = []
+        inner = [child.optimizer for child in getattr(optimizer, "chained_optimizers", [optimizer])]
+        self._handles = [opt.register_step_pre_hook(self._pre) for opt in inner]
+        self._outer = optimizer
+        self._scheduler = scheduler
+        self._model = model
+
+    def _pre(self, opt: torch.optim.Optimizer, _args: tuple, _kwargs: dict) -> None:
+        self.steps.append(
+            {
+                "lr": [g["lr"] for g in opt.param_groups],
+                "scheduled": [self._scheduler.get_lr(g) for g in opt.param_groups],
+                "weights": weights_of(self._model),
+            }
+        )
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def schedule(
+    local_indices: Sequence[int], steps: int, micro_per_step: int
+) -> tuple[list[int], list[list[int]]]:
+    """slime's rollout-side schedule for this rank: ``num_microbatches`` per step and the
+    local sample indices of each micro-batch (contiguous, in order)."""
+    per_step = len(local_indices) // steps
+    per_micro = per_step // micro_per_step
+    micro = [
+        list(range(s * per_step + m * per_micro, s * per_step + (m + 1) * per_micro))
+        for s in range(steps)
+        for m in range(micro_per_step)
+    ]
+    return [micro_per_step] * steps, micro
+
+
+def slime_rollout_data(
+    samples: Sequence[dict[str, Any]],
+    local: Sequence[int],
+    *,
+    steps: int,
+    micro_per_step: int,
+    dp_size: int,
+    cp_slice=None,
+) -> dict[str, Any]:
+    """What slime's ``_get_rollout_data`` hands ``train_actor`` for this DP rank."""
+    num_microbatches, micro = schedule(local, steps, micro_per_step)
+    picked = [samples[i] for i in local]
+    rollout_lp = [s["rollout_log_probs"] for s in picked]
+    if cp_slice is not None:
+        rollout_lp = [
+            cp_slice(lp, s["total_length"], s["response_length"])
+            for lp, s in zip(rollout_lp, picked, strict=True)
+        ]
+    return {
+        "tokens": [s["tokens"].clone() for s in picked],
+        "loss_masks": [s["loss_mask"].clone() for s in picked],
+        "total_lengths": [s["total_length"] for s in picked],
+        "response_lengths": [s["response_length"] for s in picked],
+        "rewards": [s["reward"] for s in picked],
+        "raw_reward": [s["reward"] for s in picked],
+        "rollout_log_probs": rollout_lp,
+        "num_microbatches": num_microbatches,
+        "micro_batch_indices": micro,
+        "global_batch_sizes": [len(local) * dp_size // steps] * steps,
+        "partition": list(local),
+    }
+
+
+def slime_actor(args: Any, models: list, optimizer: Any, scheduler: Any) -> Any:
+    """slime's real ``MegatronTrainRayActor`` without its Ray ``init``: the attributes
+    ``train_actor`` reads."""
+    from slime.backends.megatron_utils.actor import MegatronTrainRayActor
+
+    actor = object.__new__(MegatronTrainRayActor)
+    actor.args = args
+    actor.model = models
+    actor.optimizer = optimizer
+    actor.opt_param_scheduler = scheduler
+    actor.weights_backuper = Backups(models[0])
+    actor._active_model_tag = "actor"
+    actor.rollout_data_postprocess = None
+    actor.role = "actor"
+
+    class _Profiler:
+        def step(self, **_kw: Any) -> None:
+            pass
+
+    class _Updater:
+        def pop_metrics(self) -> dict:
+            return {}
+
+    actor.prof = _Profiler()
+    actor.weight_updater = _Updater()
+    return actor
+
+
+def scaled_ratio(record: dict[str, Any]) -> float:
+    """The one scale applied to every param group of a recorded step (checked equal)."""
+    ratios = [lr / sched for lr, sched in zip(record["lr"], record["scheduled"], strict=True)]
+    assert all(math.isclose(r, ratios[0], rel_tol=1e-12) for r in ratios), ratios
+    return ratios[0]
+
+
+def megatron_groups(tmp_path, *, rank: int = 0, world_size: int = 1, cp: int = 1):
+    """A gloo world (FileStore in ``tmp_path``) with megatron's parallel_state, CP = ``cp``,
+    DP = world_size // cp, and the gloo duplicates slime's metric gathers use."""
+    import contextlib
+    import datetime
+    import os
+
+    from megatron.core import parallel_state
+
+    @contextlib.contextmanager
+    def world():
+        store = torch.distributed.FileStore(
+            os.path.join(tmp_path, "ledger_world.store"), world_size
+        )
+        torch.distributed.init_process_group(
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=120),
+        )
+        try:
+            parallel_state.initialize_model_parallel(context_parallel_size=cp)
+            try:
+                yield
+            finally:
+                parallel_state.destroy_model_parallel()
+        finally:
+            torch.distributed.destroy_process_group()
+
+    return world()
+
+
+def use_cpu_accelerator() -> None:
+    """slime (2026-08 on) asks its accelerator registry for the device: register a CPU one
+    (test-only: no accelerator exists here). Older slime calls ``torch.cuda`` directly, which
+    the CPU shim maps."""
+    import importlib
+
+    try:
+        accel = importlib.import_module("slime.utils.accelerator")
+        base = importlib.import_module("slime.utils.accelerator.base")
+    except ModuleNotFoundError:
+        return
+
+    class CPUAccelerator(base.Accelerator):
+        name = "cpu"
+        device_type = "cpu"
+        communication_backend_name = "gloo"
+
+        def is_available(self) -> bool:
+            return True
+
+        def device(self, index: Any = None) -> torch.device:
+            return torch.device("cpu")
+
+        def device_name(self, index: Any = None) -> str:
+            return "cpu"
+
+        def set_device(self, index: Any) -> None:
+            pass
+
+        def current_device(self) -> str:
+            return "cpu"
+
+        def device_count(self) -> int:
+            return 1
+
+        def synchronize(self, device: Any = None) -> None:
+            pass
+
+        def current_stream(self, device: Any = None) -> Any:
+            return None
+
+        def empty_cache(self) -> None:
+            pass
+
+        def mem_get_info(self, device: Any = None) -> tuple[int, int]:
+            return (1 << 30, 1 << 30)
+
+        def memory_allocated(self, device: Any = None) -> int:
+            return 0
+
+        def memory_reserved(self, device: Any = None) -> int:
+            return 0
+
+    accel.set_accelerator(CPUAccelerator())
