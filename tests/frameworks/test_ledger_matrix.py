@@ -177,7 +177,13 @@ def _rollout_references(run: dict) -> list[dict]:
     [
         pytest.param([], id="recompute"),
         pytest.param(
-            ["--use-rollout-logprobs", "--get-mismatch-metrics"], id="rollout-logprobs-mismatch"
+            [
+                "--use-rollout-logprobs",
+                "--get-mismatch-metrics",
+                "--custom-tis-function-path",
+                "slime.backends.megatron_utils.loss.vanilla_tis_function",
+            ],
+            id="rollout-logprobs-mismatch",
         ),
     ],
 )
