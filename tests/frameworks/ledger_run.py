@@ -448,3 +448,163 @@ def slime_train(
     out["records"] = recorder.steps
     out["logged"] = [r for r in logged if "train/step" in r]
     return out
+
+
+MILES_ARGV = (
+    "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-rollout", "3",
+    "--micro-batch-size", "2", "--lr", "1e-1", "--min-lr", "1e-2", "--lr-decay-style", "cosine",
+    "--advantage-estimator", "grpo", "--ess-lr-weight-mode", "product", "--qkv-format", "thd",
+    "--num-layers", "1", "--hidden-size", str(HIDDEN), "--ffn-hidden-size", str(HIDDEN),
+    "--num-attention-heads", "1", "--kv-channels", str(HIDDEN), "--vocab-size", str(VOCAB),
+)  # fmt: skip
+
+
+def miles_parse(flags: Sequence[str]) -> Any:
+    """miles' real ``parse_args`` (ess-patch installed by the caller) on the test's argv."""
+    from upstream import parse_upstream_args
+
+    def add(parser: Any) -> Any:
+        # miles' --skip-actor-forward-only check reads a Megatron option the Megatron-LM
+        # snapshot here does not define yet (a newer miles-main one does)
+        if "--moe-router-force-biased" not in parser._option_string_actions:
+            parser.add_argument("--moe-router-force-biased", default=None)
+        return parser
+
+    args = parse_upstream_args("miles", [*MILES_ARGV, *flags], add_custom_arguments=add)
+    args.start_weight_decay = args.end_weight_decay = 0.0
+    args.num_query_groups = args.num_query_groups or 1
+    if getattr(args, "moe_layer_freq", None) is None:
+        args.moe_layer_freq = 1
+    return args
+
+
+def miles_actor(args: Any, models: list, optimizer: Any, scheduler: Any) -> Any:
+    """miles' real ``MegatronTrainRayActor`` without its Ray ``init``: the attributes
+    ``train_actor`` reads."""
+    from miles.backends.megatron_utils.actor import MegatronTrainRayActor
+
+    actor = object.__new__(MegatronTrainRayActor)
+    actor.args = args
+    actor.model = models
+    actor.optimizer = optimizer
+    actor.opt_param_scheduler = scheduler
+    actor.weights_backuper = Backups(models[0])
+    actor._active_model_tag = "actor"
+    actor.rollout_data_postprocess = None
+    actor.role = "actor"
+    actor.with_ref = actor.with_opd_teacher = False
+    actor._ft_test_action_executor = None
+
+    class _Nothing:
+        def step(self, **_kw: Any) -> None:
+            pass
+
+        def bump(self) -> None:
+            pass
+
+        def pop_metrics(self) -> dict:
+            return {}
+
+    actor.prof = actor._heartbeat = actor.weight_updater = _Nothing()
+    return actor
+
+
+def _give_gloo_groups(state: Any) -> None:
+    """miles' metric gathers use each group's ``gloo_group`` (on gloo: the group itself) and
+    a real ``indep_dp`` group of one rank (``upstream.miles_parallel_state`` leaves None)."""
+    import dataclasses
+
+    world = torch.distributed.get_world_size()
+    singles = [torch.distributed.new_group([r]) for r in range(world)]
+    for f in dataclasses.fields(state):
+        info = getattr(state, f.name)
+        if not dataclasses.is_dataclass(info) or not hasattr(info, "gloo_group"):
+            continue
+        group = info.group if info.group is not None else singles[torch.distributed.get_rank()]
+        setattr(state, f.name, dataclasses.replace(info, group=group, gloo_group=group))
+
+
+def miles_train(
+    flags: Sequence[str],
+    *,
+    rollouts: int = 2,
+    num: int = 8,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """As :func:`slime_train`, through miles' real ``train_actor`` (miles splits the rollout
+    into steps itself: ``global_batch_size`` samples each, ``micro_batch_size`` per
+    micro-batch, contiguous)."""
+    import miles.backends.training_utils.log_utils as log_utils
+    from megatron.core import parallel_state as mpu
+    from megatron.training.global_vars import set_args
+    from miles.backends.megatron_utils.model import get_optimizer_param_scheduler
+    from miles.utils.timer import Timer
+    from upstream import miles_parallel_state
+
+    args = miles_parse(flags)
+    set_args(args)
+    state = miles_parallel_state()
+    _give_gloo_groups(state)
+    models = ddp_model()
+    optimizer, _ = build_optimizer(args, models)
+    scheduler = get_optimizer_param_scheduler(args, optimizer)
+    actor = miles_actor(args, models, optimizer, scheduler)
+    actor.weights_backuper.backup("actor")
+    recorder = StepRecorder(optimizer, scheduler, models[0])
+    logged: list[dict] = []
+    log_utils.tracking.log = lambda _a, d, step_key=None: logged.append(dict(d))
+    dp_rank = mpu.get_data_parallel_rank(with_context_parallel=False)
+    dp_size = mpu.get_data_parallel_world_size(with_context_parallel=False)
+    per_rank = num // dp_size
+    local = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
+    g = torch.Generator().manual_seed(1000 + seed)
+    out: dict[str, Any] = {"rollouts": [], "dp_rank": dp_rank, "dp_size": dp_size}
+    for rollout_id in range(rollouts):
+        current = weights_of(models[0])
+        behind = {k: v + 0.4 * torch.randn(v.shape, generator=g) for k, v in current.items()}
+        samples = make_rollout(num, seed=seed * 100 + rollout_id, rollout_weights=behind)
+        if args.keep_old_actor:
+            actor.weights_backuper._backups["old_actor"] = behind
+        picked = [samples[i] for i in local]
+        data = {
+            "tokens": [s["tokens"].clone() for s in picked],
+            "loss_masks": [s["loss_mask"].clone() for s in picked],
+            "total_lengths": [s["total_length"] for s in picked],
+            "response_lengths": [s["response_length"] for s in picked],
+            "rewards": [s["reward"] for s in picked],
+            "raw_reward": [s["reward"] for s in picked],
+            "rollout_log_probs": [s["rollout_log_probs"] for s in picked],
+        }
+        timer = Timer()
+        if "train_wait" not in timer.start_time:
+            timer.start("train_wait")
+        timer.seq_lens = data["total_lengths"]
+        first_step = len(recorder.steps)
+        # miles asks CUDA for free memory after each backward and synchronizes after
+        # training (no CUDA here: plenty free, nothing to wait for)
+        saved = torch.cuda.mem_get_info, torch.cuda.synchronize
+        torch.cuda.mem_get_info = lambda *_a: (1 << 30, 1 << 30)
+        torch.cuda.synchronize = lambda *_a: None
+        try:
+            actor.train_actor(rollout_id, data, witness_info=None, attempt=0)
+        finally:
+            torch.cuda.mem_get_info, torch.cuda.synchronize = saved
+        per_step = args.global_batch_size // dp_size
+        steps = len(recorder.steps) - first_step
+        out["rollouts"].append(
+            {
+                "samples": samples,
+                "local": local,
+                "micro_batch_indices": [
+                    list(range(s * per_step, (s + 1) * per_step)) for s in range(steps)
+                ],
+                "num_microbatches": [1] * steps,
+                "hook_log_probs": data.get("log_probs"),
+                "rollout_weights": behind,
+                "steps": list(range(first_step, len(recorder.steps))),
+            }
+        )
+    recorder.close()
+    out["records"] = recorder.steps
+    out["logged"] = [r for r in logged if "train/step" in r]
+    return out

@@ -27,7 +27,9 @@ from upstream import skip_reason
 import ess_patch
 
 FULL = skip_reason("slime", "full")
+MILES_FULL = skip_reason("miles", "full")
 pytestmark = pytest.mark.skipif(FULL is not None, reason=FULL or "")
+needs_miles = pytest.mark.skipif(MILES_FULL is not None, reason=MILES_FULL or "")
 
 # the product weight mode brakes hard: the scales stay far from 1 and from each other
 MODE = "product"
@@ -156,6 +158,60 @@ def test_slime_keep_old_actor_with_several_steps_per_rollout_is_refused_at_parse
     assert slime_parse([*flags, "--global-batch-size", "8"]).keep_old_actor
     step = slime_parse([*flags, "--global-batch-size", "4", "--ess-lr-granularity", "step"])
     assert step.ess_lr_granularity == "step"
+
+
+@pytest.fixture
+def miles_world(tmp_path, clean_ess):
+    from ledger_run import megatron_groups
+
+    from ess_patch.demo.cpu import megatron_on_cpu
+
+    with megatron_on_cpu(), megatron_groups(tmp_path):
+        ess_patch.install(["megatron", "miles"])
+        yield
+
+
+NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]  # miles asks it of the flag
+
+
+@needs_miles
+@pytest.mark.parametrize(
+    ("flags", "steps"),
+    [
+        pytest.param(
+            ["--keep-old-actor", "--global-batch-size", "4", "--ess-lr-granularity", "step"],
+            2,
+            id="keep-old-actor",
+        ),
+        pytest.param(
+            ["--skip-actor-forward-only", "--global-batch-size", "8", *NO_DROPOUT],
+            1,
+            id="skip-forward",
+        ),
+    ],
+)
+def test_miles_measures_the_current_policy_inside_the_loss(miles_world, flags, steps):
+    """miles' real train_actor: --keep-old-actor (log_probs from the old actor at the hook)
+    and --skip-actor-forward-only (none at the hook): each optimizer step's LR uses the ESS of
+    the current policy on its own mini-batch, and logs it."""
+    from ledger_run import miles_train
+
+    run = miles_train(["--use-ess-lr", *flags], rollouts=2)
+    assert all(len(r["steps"]) == steps for r in run["rollouts"])
+    assert len(run["records"]) == len(run["logged"]) == 2 * steps
+    refs = _per_step_references(run)
+    for step, ref in enumerate(refs):
+        assert ref["scale"] < 0.9
+        _check_step(run, step, ref)
+
+
+@needs_miles
+def test_miles_keep_old_actor_with_several_steps_per_rollout_is_refused_at_parse(clean_ess):
+    from ledger_run import miles_parse
+
+    ess_patch.install(["megatron", "miles"])
+    with pytest.raises(ValueError, match=r"--keep-old-actor.*--ess-lr-granularity step"):
+        miles_parse(["--use-ess-lr", "--keep-old-actor", "--global-batch-size", "4"])
 
 
 # --- the rollout path: log-probs recomputed before the advantages ---------------------------------
