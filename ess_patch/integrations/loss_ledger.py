@@ -261,9 +261,17 @@ def steps_per_rollout(args: Any) -> int | None:
 
 
 def steps_per_rollout_refusal(args: Any, reason: str | None) -> str | None:
-    """The parse-time refusal for a run measured inside the loss (``reason`` not None) with
-    granularity 'rollout' and several optimizer steps per rollout, else None."""
-    if reason is None or config_from_args(args).granularity == "step":
+    """The parse-time refusal for a run measured inside the loss (``reason`` not None): with
+    granularity 'rollout' and several optimizer steps per rollout, or with --allgather-cp;
+    else None."""
+    if reason is None:
+        return None
+    if getattr(args, "allgather_cp", False):
+        return (
+            f"{reason}, and --allgather-cp lays the tokens out in a way ESS-LR does not slice "
+            "inside the loss; drop --allgather-cp"
+        )
+    if config_from_args(args).granularity == "step":
         return None
     steps = steps_per_rollout(args)
     if steps is None or steps <= 1:

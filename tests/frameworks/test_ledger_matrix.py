@@ -95,13 +95,22 @@ def _per_step_references(run: dict) -> list[dict]:
 # --- slime's one-step recipe: log-probs reused inside the loss ------------------------------------
 
 
-def test_slime_one_step_reuse_is_measured_inside_the_loss(slime_world):
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param([], id="plain"),
+        pytest.param(["--recompute-loss-function"], id="recompute-loss"),
+    ],
+)
+def test_slime_one_step_reuse_is_measured_inside_the_loss(slime_world, extra):
     """scripts/run-qwen3-4B.sh's shape: one optimizer step per rollout, kl_coef 0. slime skips
     the log-prob forward (no log_probs at the advantage hook); ESS-LR measures the current
-    policy inside the loss, and each rollout's update uses its scale."""
+    policy inside the loss, and each rollout's update uses its scale. With
+    --recompute-loss-function the loss runs again in the backward: counted once."""
     from ledger_run import slime_train
 
-    run = slime_train(["--use-ess-lr", "--global-batch-size", "8"], rollouts=2, steps=1)
+    flags = ["--use-ess-lr", "--global-batch-size", "8", *extra]
+    run = slime_train(flags, rollouts=2, steps=1)
     assert all(r["hook_log_probs"] is None for r in run["rollouts"])  # slime reused them
     assert len(run["records"]) == len(run["logged"]) == 2
     refs = _per_step_references(run)
