@@ -200,9 +200,13 @@ def slime_rollout_data(
     micro_per_step: int,
     dp_size: int,
     cp_slice=None,
+    uneven: tuple[list[int], list[list[int]]] | None = None,
 ) -> dict[str, Any]:
     """What slime's ``_get_rollout_data`` hands ``train_actor`` for this DP rank."""
-    num_microbatches, micro = schedule(local, steps, micro_per_step)
+    if uneven is not None:  # (num_microbatches, micro-batches): e.g. a dynamic-batch schedule
+        num_microbatches, micro = uneven
+    else:
+        num_microbatches, micro = schedule(local, steps, micro_per_step)
     picked = [samples[i] for i in local]
     rollout_lp = [s["rollout_log_probs"] for s in picked]
     if cp_slice is not None:
@@ -220,9 +224,18 @@ def slime_rollout_data(
         "rollout_log_probs": rollout_lp,
         "num_microbatches": num_microbatches,
         "micro_batch_indices": micro,
-        "global_batch_sizes": [len(local) * dp_size // steps] * steps,
+        "global_batch_sizes": _step_sizes(num_microbatches, micro, dp_size),
         "partition": list(local),
     }
+
+
+def _step_sizes(num_microbatches: list[int], micro: list[list[int]], dp_size: int) -> list[int]:
+    """Samples per optimizer step, over every DP rank (each holds as many)."""
+    sizes, start = [], 0
+    for count in num_microbatches:
+        sizes.append(sum(len(b) for b in micro[start : start + count]) * dp_size)
+        start += count
+    return sizes
 
 
 def slime_actor(args: Any, models: list, optimizer: Any, scheduler: Any) -> Any:
@@ -380,6 +393,7 @@ def slime_train(
     micro_per_step: int = 2,
     num: int = 8,
     seed: int = 0,
+    uneven: tuple[list[int], list[list[int]]] | None = None,
 ) -> dict[str, Any]:
     """``rollouts`` rollouts of ``num`` samples (all DP ranks together) through slime's real
     ``train_actor``, inside an initialised world; ess-patch installed by the caller. Each
@@ -426,6 +440,7 @@ def slime_train(
             micro_per_step=micro_per_step,
             dp_size=dp_size,
             cp_slice=(lambda lp, t, r: slice_log_prob_with_cp(lp, t, r)) if cp_size > 1 else None,
+            uneven=uneven,
         )
         timer = Timer()
         if "train_wait" not in timer.start_time:

@@ -155,6 +155,24 @@ def test_slime_keep_old_actor_measures_the_current_policy_at_each_step(slime_wor
     assert wrong["scale"] > refs[0]["scale"] * 1.2
 
 
+def test_slime_keep_old_actor_with_dynamic_batches_follows_the_real_mini_batches(slime_world):
+    """--use-dynamic-batch-size: slime's schedule packs micro-batches by tokens, so steps and
+    micro-batches differ in size (here steps of 3 and 5 samples, the second in two
+    micro-batches of 2 and 3). Each step's ESS covers exactly the samples it trained on."""
+    from ledger_run import slime_train
+
+    flags = ["--use-ess-lr", "--keep-old-actor", "--global-batch-size", "4"]
+    dynamic = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "64"]
+    uneven = ([1, 2], [[0, 1, 2], [3, 4], [5, 6, 7]])
+    run = slime_train(
+        [*flags, *dynamic, "--ess-lr-granularity", "step"], rollouts=1, steps=2, uneven=uneven
+    )
+    refs = _per_step_references(run)
+    assert [ref["num_trajectories"] for ref in refs] == [3, 5]
+    for step, ref in enumerate(refs):
+        _check_step(run, step, ref)
+
+
 def test_slime_keep_old_actor_with_several_steps_per_rollout_is_refused_at_parse(clean_ess):
     """One ESS per rollout does not exist before its first step when it is measured inside
     the loss: the parse names the flag to set. One step per rollout, or granularity step: fine."""
