@@ -139,3 +139,14 @@ def test_parse_time_refusals_name_the_flag():
     assert steps_per_rollout_refusal(two_steps, None) is None  # measured at the hook
     allgather = Namespace(num_steps_per_rollout=1, allgather_cp=True)
     assert "drop --allgather-cp" in steps_per_rollout_refusal(allgather, reason)
+
+
+def test_shadow_mode_keeps_each_steps_result_and_changes_no_lr():
+    args = Namespace(loss_type="policy_loss")
+    set_step_source(LedgerSource("slime", args, ONE_RANK, CONFIG, "x", shadow=True))
+    lp, rlp, masks = _samples(5, 5)
+    ledger_add(trajectory_stats(lp, rlp, masks))
+    [lrs] = _step(_Optimizer())
+    ref = reference_ess(lp, rlp, masks, mode="product")
+    assert lrs == [0.1, 0.05] and STATE.armed is None
+    assert STATE.shadow.scale == pytest.approx(ref["scale"], rel=1e-12) < 0.9
