@@ -447,7 +447,14 @@ def slime_train(
             timer.start("train_wait")
         timer.seq_lens = data["total_lengths"]
         first_step = len(recorder.steps)
-        actor.train_actor(rollout_id, data)
+        external = None
+        if args.use_critic:  # the critic's values for this rank's samples (PPO's GAE)
+            external = {
+                "values": [
+                    0.1 * torch.randn(len(lp), generator=g) for lp in data["rollout_log_probs"]
+                ]
+            }
+        actor.train_actor(rollout_id, data, external_data=external)
         out["rollouts"].append(
             {
                 "samples": samples,
