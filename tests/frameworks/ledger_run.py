@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -419,7 +420,9 @@ def slime_train(
     recorder = StepRecorder(optimizer, scheduler, models[0])
     logged: list[dict] = []
     args.use_wandb = True
-    logging_utils.wandb = Namespace(log=logged.append)  # wandb's log, not ess-patch's hook
+    # wandb's log, not ess-patch's hook (restored when done)
+    patcher = mock.patch.object(logging_utils, "wandb", Namespace(log=logged.append))
+    patcher.start()
     dp_rank = mpu.get_data_parallel_rank(with_context_parallel=False)
     dp_size = mpu.get_data_parallel_world_size(with_context_parallel=False)
     cp_size = mpu.get_context_parallel_world_size()
@@ -427,45 +430,50 @@ def slime_train(
     local = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
     g = torch.Generator().manual_seed(1000 + seed)
     out: dict[str, Any] = {"rollouts": [], "dp_rank": dp_rank, "dp_size": dp_size}
-    for rollout_id in range(rollouts):
-        current = weights_of(models[0])
-        behind = {k: v + 0.4 * torch.randn(v.shape, generator=g) for k, v in current.items()}
-        samples = make_rollout(num, seed=seed * 100 + rollout_id, rollout_weights=behind)
-        if args.keep_old_actor:  # the rollout engines ran the old actor's weights
-            actor.weights_backuper._backups["old_actor"] = behind
-        data = slime_rollout_data(
-            samples,
-            local,
-            steps=steps,
-            micro_per_step=micro_per_step,
-            dp_size=dp_size,
-            cp_slice=(lambda lp, t, r: slice_log_prob_with_cp(lp, t, r)) if cp_size > 1 else None,
-            uneven=uneven,
-        )
-        timer = Timer()
-        if "train_wait" not in timer.start_time:
-            timer.start("train_wait")
-        timer.seq_lens = data["total_lengths"]
-        first_step = len(recorder.steps)
-        external = None
-        if args.use_critic:  # the critic's values for this rank's samples (PPO's GAE)
-            external = {
-                "values": [
-                    0.1 * torch.randn(len(lp), generator=g) for lp in data["rollout_log_probs"]
-                ]
-            }
-        actor.train_actor(rollout_id, data, external_data=external)
-        out["rollouts"].append(
-            {
-                "samples": samples,
-                "local": local,
-                "micro_batch_indices": data["micro_batch_indices"],
-                "num_microbatches": data["num_microbatches"],
-                "hook_log_probs": data.get("log_probs"),  # None: slime reused the loss's
-                "rollout_weights": behind,
-                "steps": list(range(first_step, len(recorder.steps))),
-            }
-        )
+    try:
+        for rollout_id in range(rollouts):
+            current = weights_of(models[0])
+            behind = {k: v + 0.4 * torch.randn(v.shape, generator=g) for k, v in current.items()}
+            samples = make_rollout(num, seed=seed * 100 + rollout_id, rollout_weights=behind)
+            if args.keep_old_actor:  # the rollout engines ran the old actor's weights
+                actor.weights_backuper._backups["old_actor"] = behind
+            data = slime_rollout_data(
+                samples,
+                local,
+                steps=steps,
+                micro_per_step=micro_per_step,
+                dp_size=dp_size,
+                cp_slice=(lambda lp, t, r: slice_log_prob_with_cp(lp, t, r))
+                if cp_size > 1
+                else None,
+                uneven=uneven,
+            )
+            timer = Timer()
+            if "train_wait" not in timer.start_time:
+                timer.start("train_wait")
+            timer.seq_lens = data["total_lengths"]
+            first_step = len(recorder.steps)
+            external = None
+            if args.use_critic:  # the critic's values for this rank's samples (PPO's GAE)
+                external = {
+                    "values": [
+                        0.1 * torch.randn(len(lp), generator=g) for lp in data["rollout_log_probs"]
+                    ]
+                }
+            actor.train_actor(rollout_id, data, external_data=external)
+            out["rollouts"].append(
+                {
+                    "samples": samples,
+                    "local": local,
+                    "micro_batch_indices": data["micro_batch_indices"],
+                    "num_microbatches": data["num_microbatches"],
+                    "hook_log_probs": data.get("log_probs"),  # None: slime reused the loss's
+                    "rollout_weights": behind,
+                    "steps": list(range(first_step, len(recorder.steps))),
+                }
+            )
+    finally:
+        patcher.stop()
     recorder.close()
     out["records"] = recorder.steps
     out["logged"] = [r for r in logged if "train/step" in r]
@@ -574,58 +582,64 @@ def miles_train(
     actor.weights_backuper.backup("actor")
     recorder = StepRecorder(optimizer, scheduler, models[0])
     logged: list[dict] = []
-    log_utils.tracking.log = lambda _a, d, step_key=None: logged.append(dict(d))
+    patcher = mock.patch.object(  # the tracker's log, not ess-patch's hook (restored when done)
+        log_utils.tracking, "log", lambda _a, d, step_key=None: logged.append(dict(d))
+    )
+    patcher.start()
     dp_rank = mpu.get_data_parallel_rank(with_context_parallel=False)
     dp_size = mpu.get_data_parallel_world_size(with_context_parallel=False)
     per_rank = num // dp_size
     local = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
     g = torch.Generator().manual_seed(1000 + seed)
     out: dict[str, Any] = {"rollouts": [], "dp_rank": dp_rank, "dp_size": dp_size}
-    for rollout_id in range(rollouts):
-        current = weights_of(models[0])
-        behind = {k: v + 0.4 * torch.randn(v.shape, generator=g) for k, v in current.items()}
-        samples = make_rollout(num, seed=seed * 100 + rollout_id, rollout_weights=behind)
-        if args.keep_old_actor:
-            actor.weights_backuper._backups["old_actor"] = behind
-        picked = [samples[i] for i in local]
-        data = {
-            "tokens": [s["tokens"].clone() for s in picked],
-            "loss_masks": [s["loss_mask"].clone() for s in picked],
-            "total_lengths": [s["total_length"] for s in picked],
-            "response_lengths": [s["response_length"] for s in picked],
-            "rewards": [s["reward"] for s in picked],
-            "raw_reward": [s["reward"] for s in picked],
-            "rollout_log_probs": [s["rollout_log_probs"] for s in picked],
-        }
-        timer = Timer()
-        if "train_wait" not in timer.start_time:
-            timer.start("train_wait")
-        timer.seq_lens = data["total_lengths"]
-        first_step = len(recorder.steps)
-        # miles asks CUDA for free memory after each backward and synchronizes after
-        # training (no CUDA here: plenty free, nothing to wait for)
-        saved = torch.cuda.mem_get_info, torch.cuda.synchronize
-        torch.cuda.mem_get_info = lambda *_a: (1 << 30, 1 << 30)
-        torch.cuda.synchronize = lambda *_a: None
-        try:
-            actor.train_actor(rollout_id, data, witness_info=None, attempt=0)
-        finally:
-            torch.cuda.mem_get_info, torch.cuda.synchronize = saved
-        per_step = args.global_batch_size // dp_size
-        steps = len(recorder.steps) - first_step
-        out["rollouts"].append(
-            {
-                "samples": samples,
-                "local": local,
-                "micro_batch_indices": [
-                    list(range(s * per_step, (s + 1) * per_step)) for s in range(steps)
-                ],
-                "num_microbatches": [1] * steps,
-                "hook_log_probs": data.get("log_probs"),
-                "rollout_weights": behind,
-                "steps": list(range(first_step, len(recorder.steps))),
+    try:
+        for rollout_id in range(rollouts):
+            current = weights_of(models[0])
+            behind = {k: v + 0.4 * torch.randn(v.shape, generator=g) for k, v in current.items()}
+            samples = make_rollout(num, seed=seed * 100 + rollout_id, rollout_weights=behind)
+            if args.keep_old_actor:
+                actor.weights_backuper._backups["old_actor"] = behind
+            picked = [samples[i] for i in local]
+            data = {
+                "tokens": [s["tokens"].clone() for s in picked],
+                "loss_masks": [s["loss_mask"].clone() for s in picked],
+                "total_lengths": [s["total_length"] for s in picked],
+                "response_lengths": [s["response_length"] for s in picked],
+                "rewards": [s["reward"] for s in picked],
+                "raw_reward": [s["reward"] for s in picked],
+                "rollout_log_probs": [s["rollout_log_probs"] for s in picked],
             }
-        )
+            timer = Timer()
+            if "train_wait" not in timer.start_time:
+                timer.start("train_wait")
+            timer.seq_lens = data["total_lengths"]
+            first_step = len(recorder.steps)
+            # miles asks CUDA for free memory after each backward and synchronizes after
+            # training (no CUDA here: plenty free, nothing to wait for)
+            saved = torch.cuda.mem_get_info, torch.cuda.synchronize
+            torch.cuda.mem_get_info = lambda *_a: (1 << 30, 1 << 30)
+            torch.cuda.synchronize = lambda *_a: None
+            try:
+                actor.train_actor(rollout_id, data, witness_info=None, attempt=0)
+            finally:
+                torch.cuda.mem_get_info, torch.cuda.synchronize = saved
+            per_step = args.global_batch_size // dp_size
+            steps = len(recorder.steps) - first_step
+            out["rollouts"].append(
+                {
+                    "samples": samples,
+                    "local": local,
+                    "micro_batch_indices": [
+                        list(range(s * per_step, (s + 1) * per_step)) for s in range(steps)
+                    ],
+                    "num_microbatches": [1] * steps,
+                    "hook_log_probs": data.get("log_probs"),
+                    "rollout_weights": behind,
+                    "steps": list(range(first_step, len(recorder.steps))),
+                }
+            )
+    finally:
+        patcher.stop()
     recorder.close()
     out["records"] = recorder.steps
     out["logged"] = [r for r in logged if "train/step" in r]
