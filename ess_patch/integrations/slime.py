@@ -122,35 +122,25 @@ def _unsupported_reason(args: argparse.Namespace) -> str | None:
     return None if backend == "megatron" else f"--train-backend {backend} (supported: megatron)"
 
 
-def _reuses_log_probs_in_loss(args: Any, rollout_data: Any) -> bool:
-    """slime >= v0.3.0's ``can_reuse_log_probs_in_loss`` (``megatron_utils/actor.py``): one
-    optimizer step per rollout and no reason to keep separate old log-probs, so the separate
-    log-prob forward is skipped. (Older slime always recomputes; measuring in the loss is then
-    just as exact: with one step, the loss runs the same weights on the same samples.)"""
+def _one_step_per_rollout(rollout_data: Any) -> bool:
+    """One optimizer step in this rollout (slime's rollout-side schedule, the same on every
+    rank). slime >= v0.3.0 then usually skips the separate log-prob forward and reuses the
+    loss's own (``can_reuse_log_probs_in_loss`` in ``megatron_utils/actor.py``); whether it did
+    or not, the loss's log-probs are then the current policy's on the same samples, so
+    ess-patch measures there without copying slime's rule (which changes between versions)."""
     steps = (rollout_data or {}).get("num_microbatches")
-    return (
-        steps is not None
-        and len(steps) == 1
-        and getattr(args, "loss_type", "policy_loss") == "policy_loss"
-        and not getattr(args, "kl_coef", 0)
-        and not getattr(args, "use_critic", False)
-        and not getattr(args, "use_opd", False)
-        and getattr(args, "advantage_estimator", None) != "gspo"
-        and (
-            not getattr(args, "use_routing_replay", False)
-            or getattr(args, "use_rollout_routing_replay", False)
-        )
-    )
+    return steps is not None and len(steps) == 1
 
 
 def _measure_in_loss(args: Any, rollout_data: Any) -> str | None:
-    """Why the advantage hook's ``log_probs`` are not the current policy's (None: they are)."""
+    """Why the advantage hook's ``log_probs`` are not (or may not be) the current policy's
+    (None: they are)."""
     if getattr(args, "keep_old_actor", False):
         return "--keep-old-actor computes log_probs with the old actor's weights"
     if rollout_logprobs_only(args):
         return "--use-rollout-logprobs without --get-mismatch-metrics computes no log_probs"
-    if _reuses_log_probs_in_loss(args, rollout_data):
-        return "slime reuses the loss's own log-probs (one optimizer step per rollout)"
+    if _one_step_per_rollout(rollout_data):
+        return "one optimizer step per rollout (slime reuses the loss's log-probs)"
     return None
 
 
