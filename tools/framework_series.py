@@ -94,6 +94,10 @@ WHY = {
   rollout's optimizer steps (the advantages are untouched);
 - log_train_step: train/lr_scale, train/rho_ess, ... in the actor's
   extra_metrics;
+- policy_loss_function, get_log_probs_and_entropy: where the advantage
+  hook has no current-policy log-probs (one optimizer step per rollout,
+  --keep-old-actor, ...), each policy-loss call adds its samples' log-ratio
+  sums to a ledger that the optimizer step reduces and applies;
 - FSDPTrainRayActor._train_core: attaches the FSDP backend's plain torch
   optimizer, so that its steps are scaled too.""",
     "slime": """\
@@ -102,6 +106,10 @@ WHY = {
 - compute_advantages_and_returns: after it runs, the rollout's ESS over
   Megatron's CP, DP-without-CP and PP groups, armed as the LR scale of
   the rollout's optimizer steps (the advantages are untouched);
+- policy_loss_function, get_log_probs_and_entropy: where the advantage
+  hook has no current-policy log-probs (one optimizer step per rollout,
+  --keep-old-actor, ...), each policy-loss call adds its samples' log-ratio
+  sums to a ledger that the optimizer step reduces and applies;
 - log: train/lr_scale, train/rho_ess, ... in the train/step record.""",
     "megatron_rl": """\
 - parse_args: in a Megatron-RL run (megatron.rl.rl_utils imported, as

@@ -234,16 +234,29 @@ def _partial_sums(source: LedgerSource, batch: dict, capture: list) -> Any:
     return trajectory_stats(log_probs, [r.detach() for r in rollout], masks)
 
 
-def loss_targets(modules: tuple[str, ...]) -> tuple[Target, ...]:
+def loss_targets(
+    framework: str, modules: tuple[str, ...], defined: dict[str, str]
+) -> tuple[Target, ...]:
     """``policy_loss_function`` and the ``get_log_probs_and_entropy`` it looks up, in each
-    module that may define the policy loss (optional: the loss moved between versions)."""
+    module that may hold them (optional: the loss moved between versions). ``defined``: the
+    module that defines each name in the newest version, where the ``patches/`` series
+    decorate it (``<framework>_policy_loss`` / ``<framework>_log_probs``)."""
+    hooks = {
+        "policy_loss_function": (policy_loss_wrapper, f"{framework}_policy_loss"),
+        "get_log_probs_and_entropy": (log_probs_wrapper, f"{framework}_log_probs"),
+    }
+    sites = {(module, name) for module in modules for name in hooks}
+    sites |= {(module, name) for name, module in defined.items()}
     return tuple(
-        Target(module, "", name, wrapper, required=False)
-        for module in modules
-        for name, wrapper in (
-            ("policy_loss_function", policy_loss_wrapper),
-            ("get_log_probs_and_entropy", log_probs_wrapper),
+        Target(
+            module,
+            "",
+            name,
+            hooks[name][0],
+            required=False,
+            decorator=hooks[name][1] if defined.get(name) == module else None,
         )
+        for module, name in sorted(sites)
     )
 
 

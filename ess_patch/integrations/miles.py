@@ -55,6 +55,7 @@ SUPPORTED = (
 _PARALLEL = "miles.backends.training_utils.parallel"
 _LOSS = "miles.backends.training_utils.loss"
 _LOG = "miles.backends.training_utils.log_utils"
+_HUB = "miles.backends.training_utils.loss_hub"
 _ADVANTAGE = "compute_advantages_and_returns"
 
 
@@ -327,8 +328,16 @@ MILES = Integration(
     supported=SUPPORTED,
     targets=(
         *common_targets(MILES_FRAMEWORK, "miles.utils.arguments", _ADVANTAGE_SITES),
-        # the policy loss: in loss_hub/losses.py from 2026-05-21, in loss.py before
-        *loss_targets((f"{_LOSS.rsplit('.', 1)[0]}.loss_hub.losses", _LOSS)),
+        # the policy loss: in loss_hub/losses.py from 2026-05-21 (its log-probs from
+        # loss_hub/logit_processors.py), both in loss.py before
+        *loss_targets(
+            "miles",
+            (f"{_HUB}.losses", _LOSS),
+            {
+                "policy_loss_function": f"{_HUB}.losses",
+                "get_log_probs_and_entropy": f"{_HUB}.logit_processors",
+            },
+        ),
         *(
             Target(
                 module,

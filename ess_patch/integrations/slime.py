@@ -185,7 +185,11 @@ SLIME = Integration(
     supported=SUPPORTED,
     targets=(
         *common_targets(SLIME_FRAMEWORK, "slime.utils.arguments", _ADVANTAGE_SITES),
-        *loss_targets((_LOSS,)),
+        *loss_targets(
+            "slime",
+            (_LOSS,),
+            {"policy_loss_function": _LOSS, "get_log_probs_and_entropy": _LOSS},
+        ),
         *(
             Target(module, "", "log", log_wrapper, required=False, decorator="slime_log")
             for module, _ in _LOG_MODULES
