@@ -23,7 +23,7 @@ from .reduction import (
 )
 from .result import ENCODED_SIZE, EssLrResult
 
-__all__ = ["compute_ess_lr", "compute_ess_lr_steps"]
+__all__ = ["compute_ess_lr", "compute_ess_lr_from_stats", "compute_ess_lr_steps"]
 
 
 @torch.no_grad()  # log-probs that require grad must not grow an autograd graph here
@@ -267,6 +267,64 @@ def compute_ess_lr_steps(
     ]
 
 
+@torch.no_grad()
+def compute_ess_lr_from_stats(
+    trajectory_stats: torch.Tensor | None,
+    *,
+    config: EssLrConfig | None = None,
+    cp_group: object | None = None,
+    dp_group: object | None = None,
+    error: BaseException | None = None,
+) -> EssLrResult:
+    """:func:`compute_ess_lr` from a precomputed per-trajectory table, identical on every rank.
+
+    ``trajectory_stats`` is this rank's ``[B, 3]`` float64 table of
+    ``[sum of masked log-ratios, masked tokens, non-finite flag]`` (as
+    :func:`~ess_patch.estimator.trajectory_stats` returns; rows may be partial sums, e.g.
+    accumulated loss call by loss call). Its rows are summed over ``cp_group`` (the CP peers
+    hold other chunks of the same trajectories, in the same row order), then the summaries
+    are gathered over ``dp_group``: the same collectives, checks and faults as
+    :func:`compute_ess_lr`.
+
+    ``error``: this rank failed to build its table (``trajectory_stats`` may then be None);
+    it still enters every collective, then raises ``error``, and every peer raises
+    :class:`~ess_patch.estimator.InvalidInputsElsewhereError`.
+
+    Raises:
+        ValueError: a table that is not ``[B, 3]`` (on that rank; every peer fails with it).
+        everything :func:`compute_ess_lr` raises, on the same ranks.
+    """
+    config = _check_config(config)
+    distributed = group_size(cp_group, "CP") > 1 or group_size(dp_group, "DP") > 1
+    if error is None:
+        try:
+            if trajectory_stats is None:
+                raise ValueError("trajectory_stats is None; pass a [B, 3] table (B may be 0)")
+            if trajectory_stats.dim() != 2 or trajectory_stats.shape[1] != 3:
+                raise ValueError(
+                    "trajectory_stats must be a [B, 3] table of [sum of masked log-ratios, "
+                    f"masked tokens, non-finite flag]; got shape {tuple(trajectory_stats.shape)}"
+                )
+            trajectory_stats = trajectory_stats.to(torch.float64)
+        except Exception as exc:
+            if not distributed:
+                raise
+            error = exc
+    elif not distributed:
+        raise error
+    summaries = _reduce_table(
+        None if error is not None else trajectory_stats,
+        None,
+        missing=False,
+        error=error,
+        config=config,
+        cp_group=cp_group,
+        dp_group=dp_group,
+        per_step=False,
+    )
+    return estimator.finalize(estimator.combine(summaries[:, 0]), config)
+
+
 def _reduce(
     log_probs: Sequence[torch.Tensor] | None,
     rollout_log_probs: Sequence[torch.Tensor] | None,
@@ -309,6 +367,33 @@ def _reduce(
         if not distributed:
             raise
         error = exc  # still enter every collective, so that the peers fail with us
+    return _reduce_table(
+        stats,
+        step_lists,
+        missing=missing,
+        error=error,
+        config=config,
+        cp_group=cp_group,
+        dp_group=dp_group,
+        per_step=steps is not None,
+    )
+
+
+def _reduce_table(
+    stats: torch.Tensor | None,
+    step_lists: list[list[int]] | None,
+    *,
+    missing: bool,
+    error: BaseException | None,
+    config: EssLrConfig,
+    cp_group: object | None,
+    dp_group: object | None,
+    per_step: bool,
+) -> torch.Tensor:
+    """The collectives of :func:`_reduce` on a prepared ``[B, 3]`` trajectory table (None
+    with ``error`` set: this rank failed to prepare it, and still enters every collective)."""
+    cp_size = group_size(cp_group, "CP")
+    dp_size = group_size(dp_group, "DP")
     origin = None if error is None else origin_rank(error)
     fault: Exception | None = None
     if cp_size > 1:
@@ -333,7 +418,7 @@ def _reduce(
         origin = origin_rank(fault)  # a CP peer's fault: DP peers learn whose it was
     # The data-parallel rank names the culprit identically on every CP peer of the batch.
     dp_rank = dist.get_rank(dp_group) if dp_size > 1 else 0
-    if steps is not None and dp_size > 1:
+    if per_step and dp_size > 1:
         # The payload's size depends on the step count: agree on it first. Shaped like the
         # rollout granularity's one DP gather (summary, envelope), so that a rank running the
         # other granularity meets the same sizes and both raise ConfigMismatchError.
@@ -358,7 +443,7 @@ def _reduce(
                 stats, step_lists, config, rank=dp_rank, flags=flags
             )
     summaries = None if summary is None else summary.unsqueeze(0)
-    if dp_size > 1 and steps is None:
+    if dp_size > 1 and not per_step:
         # one all-gather: the summary with this rank's envelope (zeros from a failed rank)
         local = torch.zeros(estimator.SUMMARY_SIZE, dtype=torch.float64)
         if summary is not None:

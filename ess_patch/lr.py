@@ -58,7 +58,7 @@ def step_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
     parent's...) scales that optimizer's param groups once; nested wrapped calls on the same
     thread pass through, so each real update is scaled exactly once whatever the nesting.
     """
-    if STATE.armed is None:  # the default: nothing armed, nothing touched
+    if STATE.armed is None and STATE.step_source is None:  # default: nothing armed or measured
         return wrapped(*args, **kwargs)
     local = STATE.local
     if getattr(local, "in_step", False):
@@ -67,7 +67,8 @@ def step_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
     # an excluded ChainedOptimizer's children must not scale themselves either.
     local.in_step = True
     try:
-        scale = begin_step(instance)  # once per real step (moves per-step results on)
+        # once per real step: reduces the step's ledger, moves per-step results on
+        scale = begin_step(instance)
         if scale is None or scale == 1.0:
             return wrapped(*args, **kwargs)
         with scaled_lr(instance, scale):

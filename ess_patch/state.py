@@ -10,7 +10,7 @@ import logging
 import sys
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,9 +28,13 @@ __all__ = [
     "begin_step",
     "disarm",
     "exclude",
+    "ledger_add",
+    "ledger_fail",
+    "ledger_take",
     "note_applier",
     "reset",
     "set_role",
+    "set_step_source",
 ]
 
 logger = logging.getLogger(__name__)
@@ -64,6 +68,12 @@ class _EssState:
     # inspect.Signature per wrapped host function (integrations.binding)
     signatures: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     local: threading.local = field(default_factory=threading.local)
+    # measured inside the policy loss (integrations.loss_ledger): this optimizer step's
+    # per-trajectory partial sums ([B, 3] tables, one per loss call), the first error met while
+    # adding to it (raised at the step, on every rank alike), and what reduces it at the step
+    ledger: list = field(default_factory=list)
+    ledger_error: BaseException | None = None
+    step_source: Callable[[Any], EssLrResult | None] | None = None
 
 
 STATE = _EssState()
@@ -82,6 +92,7 @@ def reset() -> None:
     STATE.applied_elsewhere = False
     STATE.shapes = {}
     STATE.signatures = weakref.WeakKeyDictionary()
+    set_step_source(None)
 
 
 def arm(result_or_scale: EssLrResult | float) -> EssLrResult:
@@ -199,14 +210,24 @@ def armed_steps() -> tuple[EssLrResult, ...] | None:
 def begin_step(optimizer: Any) -> float | None:
     """The scale for the optimizer step of ``optimizer`` that starts now, or None.
 
-    The step wrappers call it once per real step. With per-step results armed it moves
-    ``armed()`` to this step's result (an optimizer that is never scaled moves nothing).
+    The step wrappers call it once per real step, on every rank. With a step source set
+    (:func:`set_step_source`: ESS measured inside the loss) it first reduces this step's ledger
+    through it (collectives: every rank of the world enters the step together) and arms the
+    result. With per-step results armed it moves ``armed()`` to this step's result (an
+    optimizer that is never scaled moves nothing).
 
     Raises:
         StepCountError: every per-step result of the rollout was already used.
+        whatever the step source raises (a fault, on every rank alike); nothing is updated.
     """
-    if scale_for(optimizer) is None:
+    if not _scaled(optimizer):
         return None
+    source = STATE.step_source
+    if source is not None:
+        result = source(optimizer)
+        if result is not None:
+            check_scale(result.scale)
+            STATE.armed = result
     steps = STATE.steps
     if steps is not None:
         index = STATE.step_index
@@ -249,14 +270,47 @@ def exclude(optimizer: Any) -> None:
     STATE.excluded.add(optimizer)
 
 
+def _scaled(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is ever scaled in this process (policy role, not excluded)."""
+    if STATE.role != "policy":
+        return False
+    try:
+        return optimizer not in STATE.excluded
+    except TypeError:  # not weak-referenceable: cannot have been excluded
+        return True
+
+
 def scale_for(optimizer: Any) -> float | None:
     """The scale to apply to ``optimizer``'s step now, or None to leave it untouched."""
     result = STATE.armed
-    if result is None or STATE.role != "policy":
+    if result is None or not _scaled(optimizer):
         return None
-    try:
-        if optimizer in STATE.excluded:
-            return None
-    except TypeError:  # not weak-referenceable: cannot have been excluded
-        pass
     return result.scale
+
+
+def set_step_source(source: Callable[[Any], EssLrResult | None] | None) -> None:
+    """Decide each optimizer step's result at the step: ``source(optimizer)``, called by
+    :func:`begin_step` on every rank, reduces this step's ledger (or returns None: leave the
+    step alone). None stops it. Either way the ledger is emptied (a new rollout starts)."""
+    STATE.step_source = source
+    STATE.ledger = []
+    STATE.ledger_error = None
+
+
+def ledger_add(table: Any) -> None:
+    """Add one loss call's per-trajectory ``[B, 3]`` partial sums to this step's ledger."""
+    STATE.ledger.append(table)
+
+
+def ledger_fail(error: BaseException) -> None:
+    """Record an error met while adding to the ledger; the step raises it on every rank."""
+    if STATE.ledger_error is None:
+        STATE.ledger_error = error
+
+
+def ledger_take() -> tuple[list, BaseException | None]:
+    """This step's tables and error, and an empty ledger for the next step."""
+    tables, error = STATE.ledger, STATE.ledger_error
+    STATE.ledger = []
+    STATE.ledger_error = None
+    return tables, error

@@ -18,6 +18,7 @@ from .integrations import megatron_rl as _megatron_rl
 from .integrations import miles as _miles
 from .integrations import slime as _slime
 from .integrations import verl as _verl
+from .integrations.loss_ledger import log_probs_wrapper, policy_loss_wrapper
 from .integrations.megatron_rl import MEGATRON_RL
 from .integrations.miles import MILES, MILES_FRAMEWORK
 from .integrations.rl_hooks import advantage_wrapper, critic_wrapper, parse_args_wrapper
@@ -39,13 +40,17 @@ __all__ = [
     "megatron_rl_prepare",
     "miles_advantages",
     "miles_fsdp_train_core",
+    "miles_log_probs",
     "miles_log_train_step",
     "miles_parse_args",
+    "miles_policy_loss",
     "miles_train_critic",
     "optimizer_step",
     "slime_advantages",
     "slime_log",
+    "slime_log_probs",
     "slime_parse_args",
+    "slime_policy_loss",
     "slime_train_critic",
     "verl_engine_train_batch",
     "verl_engine_update_actor",
@@ -114,6 +119,14 @@ miles_train_critic = _method_hook(critic_wrapper)
 slime_train_critic = _method_hook(critic_wrapper)
 #: slime ``observability/logging_utils.py``: on ``log``.
 slime_log = _function_hook(_slime.log_wrapper)
+#: slime ``backends/megatron_utils/loss.py``: ``@slime_policy_loss`` on ``policy_loss_function``
+#: and ``@slime_log_probs`` on ``get_log_probs_and_entropy`` (ESS measured inside the loss).
+slime_policy_loss = _function_hook(policy_loss_wrapper)
+slime_log_probs = _function_hook(log_probs_wrapper)
+#: miles ``training_utils/loss_hub``: ``@miles_policy_loss`` on ``losses.policy_loss_function``,
+#: ``@miles_log_probs`` on ``logit_processors.get_log_probs_and_entropy``.
+miles_policy_loss = _function_hook(policy_loss_wrapper)
+miles_log_probs = _function_hook(log_probs_wrapper)
 #: Megatron-LM ``megatron/training/arguments.py``: on ``parse_args`` (Megatron-RL runs only).
 megatron_rl_parse_args = _function_hook(_megatron_rl.parse_args_wrapper)
 #: Megatron-LM ``megatron/rl/rl_utils.py``: on ``prepare_data_for_update``.

@@ -483,6 +483,9 @@ _MILES_FILES = (
     "miles/utils/arguments.py",
     "miles/backends/training_utils/loss.py",
     "miles/backends/training_utils/log_utils.py",
+    # the policy loss and its log-probs (ESS measured inside the loss)
+    "miles/backends/training_utils/loss_hub/losses.py",
+    "miles/backends/training_utils/loss_hub/logit_processors.py",
     "miles/backends/fsdp_utils/actor.py",
     "miles/backends/megatron_utils/actor.py",  # MegatronTrainRayActor.train_critic
 )

@@ -42,9 +42,23 @@ SINGLE = Framework(
             r"--train-backend xla \(supported: megatron, fsdp\)",
         ),
         (MILES_FRAMEWORK, {"use_fault_tolerance": True}, r"--use-fault-tolerance"),
-        (MILES_FRAMEWORK, {"skip_actor_forward_only": True}, r"--skip-actor-forward-only skips"),
-        (MILES_FRAMEWORK, {"use_rollout_logprobs": True}, r"--use-rollout-logprobs without"),
-        (SLIME_FRAMEWORK, {"use_rollout_logprobs": True}, r"--use-rollout-logprobs without"),
+        # measured inside the loss (one ESS per optimizer step): refused with several steps
+        # per rollout and granularity "rollout"
+        (
+            MILES_FRAMEWORK,
+            {"skip_actor_forward_only": True, "num_steps_per_rollout": 2},
+            r"--skip-actor-forward-only skips.*--ess-lr-granularity step",
+        ),
+        (
+            MILES_FRAMEWORK,
+            {"use_rollout_logprobs": True, "num_steps_per_rollout": 2},
+            r"--use-rollout-logprobs without.*--ess-lr-granularity step",
+        ),
+        (
+            SLIME_FRAMEWORK,
+            {"use_rollout_logprobs": True, "num_steps_per_rollout": 2},
+            r"--use-rollout-logprobs without.*--ess-lr-granularity step",
+        ),
         (
             SLIME_FRAMEWORK,
             {"train_backend": "fsdp"},
@@ -231,7 +245,10 @@ def test_shadow_alone_is_validated_like_enabled():
         match=r"--ess-lr-shadow needs the train log-probs.*"
         r"Drop --ess-lr-shadow",
     ):
-        validate(MILES_FRAMEWORK, Namespace(ess_lr_shadow=True, skip_actor_forward_only=True))
+        validate(
+            MILES_FRAMEWORK,
+            Namespace(ess_lr_shadow=True, skip_actor_forward_only=True, num_steps_per_rollout=2),
+        )
 
 
 def test_shadow_hook_computes_and_logs_but_arms_nothing(clean_ess):

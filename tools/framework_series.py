@@ -94,6 +94,10 @@ WHY = {
   rollout's optimizer steps (the advantages are untouched);
 - log_train_step: train/lr_scale, train/rho_ess, ... in the actor's
   extra_metrics;
+- policy_loss_function, get_log_probs_and_entropy: where the advantage
+  hook has no current-policy log-probs (one optimizer step per rollout,
+  --keep-old-actor, ...), each policy-loss call adds its samples' log-ratio
+  sums to a ledger that the optimizer step reduces and applies;
 - FSDPTrainRayActor._train_core: attaches the FSDP backend's plain torch
   optimizer, so that its steps are scaled too;
 - MegatronTrainRayActor.train_critic: makes its process the critic before
@@ -105,6 +109,10 @@ WHY = {
 - compute_advantages_and_returns: after it runs, the rollout's ESS over
   Megatron's CP, DP-without-CP and PP groups, armed as the LR scale of
   the rollout's optimizer steps (the advantages are untouched);
+- policy_loss_function, get_log_probs_and_entropy: where the advantage
+  hook has no current-policy log-probs (one optimizer step per rollout,
+  --keep-old-actor, ...), each policy-loss call adds its samples' log-ratio
+  sums to a ledger that the optimizer step reduces and applies;
 - log: train/lr_scale, train/rho_ess, ... in the train/step record;
 - MegatronTrainRayActor.train_critic: makes its process the critic before
   its advantage call (rollout 0 included): never scaled, no policy

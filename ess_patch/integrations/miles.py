@@ -38,6 +38,7 @@ from ..attach import attach
 from ..patching import Target
 from . import Integration
 from .binding import bind, call_with
+from .loss_ledger import loss_targets, steps_per_rollout_refusal
 from .rl_hooks import (
     Framework,
     Groups,
@@ -58,6 +59,7 @@ SUPPORTED = (
 _PARALLEL = "miles.backends.training_utils.parallel"
 _LOSS = "miles.backends.training_utils.loss"
 _LOG = "miles.backends.training_utils.log_utils"
+_HUB = "miles.backends.training_utils.loss_hub"
 _ADVANTAGE = "compute_advantages_and_returns"
 
 
@@ -231,12 +233,28 @@ MILES_HISTORY = History(
 # --- validation --------------------------------------------------------------------------------
 
 
-def _no_input_reason(args: argparse.Namespace) -> str | None:
-    # megatron_utils/actor.py: log_probs are recomputed only when
-    # not skip_actor_forward_only and (not use_rollout_logprobs or get_mismatch_metrics)
+def _measure_in_loss(args: Any, _rollout_data: Any) -> str | None:
+    """Why the advantage hook's ``log_probs`` are not the current policy's (None: they are).
+
+    megatron_utils/actor.py: log_probs are recomputed only when not skip_actor_forward_only
+    and (not use_rollout_logprobs or get_mismatch_metrics), with the old_actor's weights under
+    --keep-old-actor."""
+    if getattr(args, "keep_old_actor", False):
+        return "--keep-old-actor computes log_probs with the old actor's weights"
     if getattr(args, "skip_actor_forward_only", False):
-        return "--skip-actor-forward-only skips the actor's forward pass"
-    return rollout_logprobs_only(args)
+        return "--skip-actor-forward-only skips the actor's log-prob forward"
+    if rollout_logprobs_only(args):
+        return "--use-rollout-logprobs without --get-mismatch-metrics computes no log_probs"
+    return None
+
+
+def _no_input_reason(args: argparse.Namespace) -> str | None:
+    # Every policy-loss configuration gets measured: at the advantage hook, or inside the loss
+    # (_measure_in_loss). What remains: one ESS per rollout of several steps, inside the loss.
+    reason = _measure_in_loss(args, None)
+    if reason is not None and getattr(args, "train_backend", "megatron") == "fsdp":
+        return f"{reason}, and the FSDP backend is not measured inside its loss yet"
+    return steps_per_rollout_refusal(args, reason)
 
 
 def _unsupported_reason(args: argparse.Namespace) -> str | None:
@@ -268,6 +286,7 @@ MILES_FRAMEWORK = Framework(
     step_samples=miles_step_samples,
     call_groups=_call_groups,
     history=MILES_HISTORY,
+    measure_in_loss=_measure_in_loss,
 )
 
 
@@ -314,6 +333,16 @@ MILES = Integration(
     supported=SUPPORTED,
     targets=(
         *common_targets(MILES_FRAMEWORK, "miles.utils.arguments", _ADVANTAGE_SITES),
+        # the policy loss: in loss_hub/losses.py from 2026-05-21 (its log-probs from
+        # loss_hub/logit_processors.py), both in loss.py before
+        *loss_targets(
+            "miles",
+            (f"{_HUB}.losses", _LOSS),
+            {
+                "policy_loss_function": f"{_HUB}.losses",
+                "get_log_probs_and_entropy": f"{_HUB}.logit_processors",
+            },
+        ),
         *(
             Target(
                 module,

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 from ..patching import MissingTargetError, Target
 from ..result import EssLrResult
-from ..state import STATE, arm, arm_steps, armed, disarm, set_role
+from ..state import STATE, arm, arm_steps, armed, disarm, set_role, set_step_source
 from .binding import bind, call_with
 from .flags import add_ess_arguments, compose_custom_arguments, config_from_args, shadow_requested
 from .shapes import History
@@ -65,6 +65,11 @@ class Framework:
     call_groups: Callable[[Mapping[str, Any]], Groups] | None = None
     #: The framework's known shapes: all decided when --use-ess-lr is parsed.
     history: History | None = None
+    #: ``(args, rollout_data) -> reason or None``: why the advantage hook has no current-policy
+    #: log-probs for this rollout (skipped or computed with the old actor), so that ESS-LR
+    #: measures inside the policy loss and decides at each optimizer step (``loss_ledger``).
+    #: Decided from the args and the step count alone: the same on every rank.
+    measure_in_loss: Callable[[Any, Mapping[str, Any] | None], str | None] | None = None
 
     def groups_for(self, call: Mapping[str, Any]) -> Groups:
         """The groups for one advantage call."""
@@ -207,25 +212,50 @@ def advantage_wrapper(framework: Framework) -> Callable[..., Any]:
             if not shadow_requested(host_args):
                 return wrapped(*args, **kwargs)  # disabled: no collective, no state change
             STATE.shadow = None  # a failed rollout must not leave the previous one's logs
+            set_step_source(None)
             out = wrapped(*args, **kwargs)
             if is_critic(host_args):
                 set_role("critic")
                 return out
             # the same collectives as enabled; nothing the optimizer wrappers read is touched
             groups = framework.groups_for(call.arguments)
+            if _start_ledger(framework, host_args, rollout_data, groups, shadow=True):
+                return out
             STATE.shadow = compute_from_rollout(framework, host_args, rollout_data, groups=groups)
             return out
         disarm()  # if anything below raises, the previous rollout's scale is not reused
+        set_step_source(None)  # nor its ledger
         out = wrapped(*args, **kwargs)
         if is_critic(host_args):
             set_role("critic")  # the critic is never scaled
             disarm()
             return out
         groups = framework.groups_for(call.arguments)
+        if _start_ledger(framework, host_args, rollout_data, groups, shadow=False):
+            return out
         arm_from_rollout(framework, host_args, rollout_data, groups=groups)
         return out
 
     return wrapper
+
+
+def _start_ledger(
+    framework: Framework, args: Any, rollout_data: Any, groups: Groups, *, shadow: bool
+) -> bool:
+    """When this rollout's log-probs at the hook are not the current policy's, measure inside
+    the policy loss from now on (every rank decides alike, from the args and the step count);
+    returns whether it does."""
+    reason = (
+        None if framework.measure_in_loss is None else framework.measure_in_loss(args, rollout_data)
+    )
+    if reason is None:
+        return False
+    from .loss_ledger import LedgerSource
+
+    source = LedgerSource(framework.name, args, groups, config_from_args(args), reason, shadow)
+    set_step_source(source)
+    logger.debug("ess-patch (%s): measuring inside the policy loss: %s", framework.name, reason)
+    return True
 
 
 def arm_from_rollout(

@@ -26,6 +26,7 @@ from typing import Any
 from ..patching import Target
 from . import Integration
 from .binding import bind, call_with
+from .loss_ledger import loss_targets, steps_per_rollout_refusal
 from .rl_hooks import (
     METRIC_PREFIX,
     Framework,
@@ -122,15 +123,42 @@ def _unsupported_reason(args: argparse.Namespace) -> str | None:
     return None if backend == "megatron" else f"--train-backend {backend} (supported: megatron)"
 
 
+def _one_step_per_rollout(rollout_data: Any) -> bool:
+    """One optimizer step in this rollout (slime's rollout-side schedule, the same on every
+    rank). slime >= v0.3.0 then usually skips the separate log-prob forward and reuses the
+    loss's own (``can_reuse_log_probs_in_loss`` in ``megatron_utils/actor.py``); whether it did
+    or not, the loss's log-probs are then the current policy's on the same samples, so
+    ess-patch measures there without copying slime's rule (which changes between versions)."""
+    steps = (rollout_data or {}).get("num_microbatches")
+    return steps is not None and len(steps) == 1
+
+
+def _measure_in_loss(args: Any, rollout_data: Any) -> str | None:
+    """Why the advantage hook's ``log_probs`` are not (or may not be) the current policy's
+    (None: they are)."""
+    if getattr(args, "keep_old_actor", False):
+        return "--keep-old-actor computes log_probs with the old actor's weights"
+    if rollout_logprobs_only(args):
+        return "--use-rollout-logprobs without --get-mismatch-metrics computes no log_probs"
+    if _one_step_per_rollout(rollout_data):
+        return "one optimizer step per rollout (slime reuses the loss's log-probs)"
+    return None
+
+
+def _no_input_reason(args: argparse.Namespace) -> str | None:
+    # Every policy-loss configuration gets measured: at the advantage hook, or inside the loss
+    # (_measure_in_loss). What remains: one ESS per rollout of several steps, inside the loss.
+    return steps_per_rollout_refusal(args, _measure_in_loss(args, None))
+
+
 SLIME_FRAMEWORK = Framework(
     name="slime",
     groups=_groups,
-    # Same rule as miles. (When slime reuses the log-probs inside the loss instead, they are
-    # missing at advantage time: a logged no-op, see README.)
-    no_input_reason=rollout_logprobs_only,
+    no_input_reason=_no_input_reason,
     unsupported_reason=_unsupported_reason,
     step_samples=slime_step_samples,
     history=SLIME_HISTORY,
+    measure_in_loss=_measure_in_loss,
 )
 
 
@@ -159,6 +187,11 @@ SLIME = Integration(
     supported=SUPPORTED,
     targets=(
         *common_targets(SLIME_FRAMEWORK, "slime.utils.arguments", _ADVANTAGE_SITES),
+        *loss_targets(
+            "slime",
+            (_LOSS,),
+            {"policy_loss_function": _LOSS, "get_log_probs_and_entropy": _LOSS},
+        ),
         *(
             Target(module, "", "log", log_wrapper, required=False, decorator="slime_log")
             for module, _ in _LOG_MODULES

@@ -165,7 +165,10 @@ def parse_checks(fw: str) -> dict:
     out = {
         "off": attempt([]),
         "on": attempt(["--use-ess-lr", "--ess-lr-floor", "0.2"]),
-        "no_train_logprobs": attempt(["--use-ess-lr", "--use-rollout-logprobs"]),
+        # measured inside the loss, one ESS per step: refused with 2 steps per rollout
+        "no_train_logprobs": attempt(
+            ["--use-ess-lr", "--use-rollout-logprobs", "--global-batch-size", "2"]
+        ),
     }
     with contextlib.redirect_stderr(io.StringIO()):
         has_multi_lora = hasattr(parse_upstream_args(fw, [*MINIMAL_ARGV, *BATCH]), "multi_lora")

@@ -183,7 +183,8 @@ def test_parser_rejects_a_bad_floor(fw, floor, clean_ess):
 @pytest.mark.parametrize("fw", _framework_params(FULL))
 def test_parser_rejects_settings_that_never_give_train_log_probs(fw, clean_ess):
     _install(fw)
-    argv = [*MINIMAL_ARGV, "--use-ess-lr", "--use-rollout-logprobs"]
+    # measured inside the loss, one ESS per optimizer step: refused with 2 steps per rollout
+    argv = [*MINIMAL_ARGV, "--global-batch-size", "2", "--use-ess-lr", "--use-rollout-logprobs"]
     with pytest.raises(ValueError, match="--use-rollout-logprobs without --get-mismatch-metrics"):
         parse_upstream_args(fw, argv)
     # the same settings without ESS-LR are fine
