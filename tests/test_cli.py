@@ -138,7 +138,14 @@ def test_ctrl_c_exits_130_with_one_line_and_no_process_left(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "ess_patch.cli", "demo", "--no-progress", "--out", str(out)]
     proc = subprocess.Popen(
-        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+        argv,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        # a runner started in the background (`cmd &`) ignores SIGINT, and children inherit
+        # that: give the demo a terminal's default, as a user's Ctrl-C meets it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 180
