@@ -135,9 +135,8 @@ def validate(framework: Framework, args: argparse.Namespace) -> None:
     reason = framework.no_input_reason(args)
     if reason:
         raise ValueError(
-            f"{flag} needs the train log-probs recomputed before the advantages, but "
-            f"{reason}, so ESS-LR would never act ({framework.name}). Drop {flag} or "
-            "change that setting"
+            f"{flag} cannot measure the current policy against the rollout policy as this run "
+            f"is configured: {reason} ({framework.name}). Drop {flag} or change that setting"
         )
 
 
