@@ -242,7 +242,7 @@ def test_shadow_and_use_ess_lr_together_are_refused(framework, clean_ess, monkey
 def test_shadow_alone_is_validated_like_enabled():
     with pytest.raises(
         ValueError,
-        match=r"--ess-lr-shadow needs the train log-probs.*"
+        match=r"--ess-lr-shadow cannot measure.*--ess-lr-granularity step.*"
         r"Drop --ess-lr-shadow",
     ):
         validate(
