@@ -252,12 +252,16 @@ def _make_layerwise(chained, config, bf16: bool):
     ``Float16OptimizerWithFloat16Params`` itself. With dp size 1 it shards nothing and its
     all-gather is a no-op.
     """
+    import inspect
+
     from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     children = list(chained.chained_optimizers)
     config.bf16 = bf16
     init_fns = [child.init_state_fn for child in children]
+    if bf16 and "expects base torch optimizers" in inspect.getsource(LayerWiseDistributedOptimizer):
+        children = [child.optimizer for child in children]  # 0.19: bf16 wraps them itself
     return LayerWiseDistributedOptimizer(
         children,
         config,
