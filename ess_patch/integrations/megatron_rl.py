@@ -18,7 +18,7 @@ commit; tested on core_v0.16.1, core_v0.17.1, core_v0.18.2 and radixark's miles-
   optimizer step until the next collection.
 - Which positions count: those the inference engine scored, i.e. the i-th inference log-prob
   of a row scores its i-th generated token (the appended eod has none). Packed, where the
-  release passes ``filled_mask`` (core_v0.19 on), the positions it marks filled. A row with no
+  release passes ``filled_mask`` (core_v0.19 on), only among the positions it marks. A row with no
   such position (main's all-pad rows, inference log-probs ``None``; rows without generated
   tokens) is not a trajectory. A trajectory is a training row, as in each release: one turn of
   a multi-turn rollout up to core_v0.19 (each turn is its own row with the rollout's
@@ -275,17 +275,20 @@ def _count(inference: Any) -> int:
 
 
 def _padded_count(generation_mask: Any, tokens: Any, inference: Any, eod: int) -> int:
-    """Up to core_v0.18 the packed path pads each row's inference log-probs with zeros to the
-    sequence length, so their number is gone: every generated token but the eod the train side
-    appends (it ends each row shorter than the sequence length); none for a row of zeros."""
+    """The packed path (every release so far) pads each row's inference log-probs with zeros to
+    the sequence length, so their number is gone: every generated token, less a final eod
+    that reads as padding (the train side appends it and the engine never scores it; a
+    filled_mask does not leave it out either, as its slot is inside the padded row); none for
+    a row of zeros (main's all-pad rows)."""
     import torch
 
     if not isinstance(inference, torch.Tensor) or not bool(inference.any()):
         return 0
     generated = generation_mask.nonzero(as_tuple=True)[0]
-    if generated.numel() == 0:
-        return 0
-    return generated.numel() - int(int(tokens[generated[-1]]) == eod)
+    count = generated.numel()
+    if count and int(tokens[generated[-1]]) == eod and count <= len(inference):
+        count -= int(float(inference[count - 1]) == 0.0)
+    return count
 
 
 def _unpacked_inputs(inference_list: Any, old: Any, generation_masks: Any, padded: Any) -> Rows:
@@ -323,8 +326,9 @@ def _unpacked_inputs(inference_list: Any, old: Any, generation_masks: Any, padde
 def _packed_inputs(old: Any, packed_inference: Any, packed_loss_mask: Any, filled: Any) -> Rows:
     """One trajectory per packed sequence with a scored position: its positions in
     ``[start, start + len - 1)`` of the log-prob row (the last one would predict the next
-    sequence's first token) that the loss mask keeps and the engine scored (``filled``, where
-    the release marks them; else from the packing context's generation masks)."""
+    sequence's first token) that the loss mask keeps and the engine scored (from the packing
+    context's generation masks and padded inference log-probs; and, where the release passes
+    one, inside its ``filled`` mask)."""
     import torch
     from megatron.rl.rl_utils import get_rl_runtime_state
 
@@ -349,25 +353,26 @@ def _packed_inputs(old: Any, packed_inference: Any, packed_loss_mask: Any, fille
             f"ess-patch ({NAME}): {len(info.bin_seq_indices)} bins in the packing info, "
             f"{old.shape[0]} rows of packed log-probs"
         )
-    if filled is None:
-        from megatron.training.global_vars import get_tokenizer
+    from megatron.training.global_vars import get_tokenizer
 
-        eod = get_tokenizer().eod
-        filled = torch.zeros_like(mask)
-        masks, tokens = context.original_generation_masks, context.original_trajs
-        inferences = context.original_inference_logprobs
-        for b, seqs in enumerate(info.bin_seq_indices):
-            for j, seq in enumerate(seqs):
-                start = info.seq_starts[b][j]
-                end = min(start + info.seq_lengths[seq] - 1, old.shape[1])
-                count = _padded_count(masks[seq], tokens[seq], inferences[seq], eod)
-                filled[b, _scored(masks[seq], count, start, end)] = True
-    elif filled.shape != mask.shape:
-        raise ValueError(
-            f"ess-patch ({NAME}): filled_mask {tuple(filled.shape)} and packed old log-probs "
-            f"{tuple(old.shape)} do not line up"
-        )
-    scored = mask & filled.cpu().bool()
+    eod = get_tokenizer().eod
+    scored = torch.zeros_like(mask)
+    masks, tokens = context.original_generation_masks, context.original_trajs
+    inferences = context.original_inference_logprobs
+    for b, seqs in enumerate(info.bin_seq_indices):
+        for j, seq in enumerate(seqs):
+            start = info.seq_starts[b][j]
+            end = min(start + info.seq_lengths[seq] - 1, old.shape[1])
+            count = _padded_count(masks[seq], tokens[seq], inferences[seq], eod)
+            scored[b, _scored(masks[seq], count, start, end)] = True
+    scored &= mask
+    if filled is not None:  # the release's own mark: never count a position it left out
+        if filled.shape != mask.shape:
+            raise ValueError(
+                f"ess-patch ({NAME}): filled_mask {tuple(filled.shape)} and packed old "
+                f"log-probs {tuple(old.shape)} do not line up"
+            )
+        scored &= filled.cpu().bool()
     lps, rlps = [], []
     for b, seqs in enumerate(info.bin_seq_indices):
         for j, seq in enumerate(seqs):
