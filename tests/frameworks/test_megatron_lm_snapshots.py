@@ -37,6 +37,7 @@ CORE = {
     "test_no_inference_logprobs_is_a_startup_error",
     "test_metrics_reach_megatron_rls_writers",
     "test_mismatched_packed_shapes_are_an_error_on_every_rank",
+    "test_cp_peers_with_different_rows_are_an_error_on_every_rank",
     "test_doctor_knows_megatron_rl",
     "test_megatron_core_is_the_trees_own",
 }

@@ -179,6 +179,8 @@ def rank_unpacked(bad: str = "", mode: str = "product") -> dict:
         inference = inference[:-1]  # one trajectory fewer than old has rows
     if bad == "missing" and lay.dp_rank == 1:
         inference = None
+    if bad == "split" and lay.cp_rank == 1:  # CP peers whose rows differ (not whole rows)
+        inference = [t + 0.25 for t in inference[:-1]] + inference[-1:]
     stats = SimpleNamespace()
     with megatron_on_cpu():
         try:
@@ -332,10 +334,23 @@ def test_bad_unpacked_input_is_an_error_on_every_rank(bad, tmp_path):
     results = run_ranks(rank_unpacked, dp=DP, cp=2, args=(bad,), tmp_path=tmp_path, timeout=120)
     assert all("error" in r for r in results), results
     assert all(r["armed"] is None for r in results)  # nothing armed anywhere
-    culprit = [r["error"] for r in results if "rank" not in r["error"].split(":")[1][:12]]
-    assert culprit  # the bad rank says what is wrong
-    text = " ".join(r["error"] for r in results)
+    errors = [r["error"] for r in results]
+    culprits = [e for e in errors if not e.startswith("InvalidInputsElsewhereError")]
+    # the bad ranks say what is wrong (one for "short", both CP peers of DP rank 1 "missing")
+    assert len(culprits) == {"short": 1, "missing": 2}[bad], errors
+    assert all(e.startswith("ValueError: ess-patch (megatron_rl)") for e in culprits), errors
+    text = " ".join(culprits)
     assert ("inference log-prob tensors" in text) or ("no inference log-probs" in text)
+
+
+@pytest.mark.dist
+def test_cp_peers_with_different_rows_are_an_error_on_every_rank(tmp_path):
+    """Megatron-RL gives every CP peer the same whole rows; a tree that splits them otherwise
+    gives the peers different results, and every rank stops instead of training with two
+    scales."""
+    results = run_ranks(rank_unpacked, dp=DP, cp=2, args=("split",), tmp_path=tmp_path, timeout=120)
+    assert all(r["armed"] is None for r in results), results
+    assert all("the CP ranks computed different ESS results" in r["error"] for r in results)
 
 
 def rank_packed(bad: str = "", mode: str = "product") -> dict:
