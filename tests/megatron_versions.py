@@ -25,7 +25,9 @@ from pathlib import Path
 
 __all__ = [
     "ENV_CACHE",
+    "ENV_VERSION",
     "OPTIMIZER_VERSIONS",
+    "child_env",
     "core_path",
     "core_version_for",
     "installed_core",
@@ -34,6 +36,8 @@ __all__ = [
 ]
 
 ENV_CACHE = "ESS_PATCH_MCORE_CACHE"
+#: set by :func:`child_env` to the version a subprocess must import
+ENV_VERSION = "ESS_PATCH_MCORE_VERSION"
 
 #: the megatron-core releases whose optimizers the megatron integration is tested on
 OPTIMIZER_VERSIONS = ("0.14.0", "0.16.1", "0.17.1", "0.18.2", "0.19.2")
@@ -130,3 +134,13 @@ def pythonpath(version: str, *first: Path | str) -> str:
     if os.environ.get("PYTHONPATH"):
         entries.append(os.environ["PYTHONPATH"])
     return os.pathsep.join(entries)
+
+
+def child_env(version: str, *first: Path | str) -> dict[str, str]:
+    """This process's environment for a subprocess that must run megatron-core ``version``:
+    :func:`pythonpath`, the version itself in ``ESS_PATCH_MCORE_VERSION`` (for its tests to
+    check), no auto-install (the tests install what they need)."""
+    env = {k: v for k, v in os.environ.items() if k != "ESS_PATCH_AUTO_INSTALL"}
+    env["PYTHONPATH"] = pythonpath(version, *first)
+    env[ENV_VERSION] = version
+    return env

@@ -591,8 +591,9 @@ def parse_args_wrapper(
     requested = getattr(parsed, "use_ess_lr", False) or shadow_requested(parsed)
     if getattr(parsed, "perform_rl_step", False):
         validate(MEGATRON_RL_FRAMEWORK, parsed)
-        if requested:
-            MEGATRON_RL_HISTORY.choose_all()  # an unknown tree fails here, not at a rollout
+        if requested:  # decided afresh for this run: an unknown tree fails here, not later
+            STATE.shapes.pop(NAME, None)
+            MEGATRON_RL_HISTORY.choose_all()
     elif requested and host_flags and not host_flags[0]:
         raise ValueError(
             "--use-ess-lr (or --ess-lr-shadow) was given to Megatron's parse_args, but this is "

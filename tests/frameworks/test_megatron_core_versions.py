@@ -11,13 +11,12 @@ left out for that release only, and the test says which.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from megatron_versions import OPTIMIZER_VERSIONS, core_path, installed_core, pythonpath
+from megatron_versions import OPTIMIZER_VERSIONS, child_env, core_path, installed_core
 from upstream import run_pytest
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -39,16 +38,9 @@ CORE = {
 }
 
 
-def _env(version: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "ESS_PATCH_AUTO_INSTALL"}
-    env["PYTHONPATH"] = pythonpath(version)
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 @pytest.mark.parametrize("version", OTHERS)
 def test_megatron_optimizer_tests_pass_on_each_release(version, tmp_path):
-    env = _env(version)
+    env = {**child_env(version), "OMP_NUM_THREADS": "1"}
     found = subprocess.run(
         [sys.executable, "-c", "from megatron.core import package_info as p; print(p.__version__)"],
         env=env,

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 import pytest
-from megatron_versions import core_version_for, pythonpath
+from megatron_versions import child_env, core_version_for
 from upstream import megatron_lm_snapshots, run_pytest
 
 FRAMEWORKS = Path(__file__).resolve().parent
@@ -59,10 +59,9 @@ def test_each_snapshot_goes_with_the_megatron_core_of_its_release():
 )
 @pytest.mark.parametrize("folder", OTHERS, ids=lambda f: f.name)
 def test_megatron_rl_tests_pass_on_each_megatron_lm_snapshot(folder, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "ESS_PATCH_AUTO_INSTALL"}
-    env["MEGATRON_RL_SRC"] = str(folder)
     # the tree first: its megatron/training wins over the one megatron-core 0.17+ wheels ship
-    env["PYTHONPATH"] = pythonpath(core_version_for(folder), folder)
+    env = child_env(core_version_for(folder), folder)
+    env["MEGATRON_RL_SRC"] = str(folder)
     passed, skipped, tail = run_pytest(FRAMEWORKS / "test_megatron_rl.py", env, tmp_path)
     assert passed >= CORE, (CORE - passed, tail)
     assert not skipped, tail  # nothing of that version left untested

@@ -10,14 +10,13 @@ error naming the releases that have one, and nothing changes.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from megatron_versions import core_version_for, pythonpath
+from megatron_versions import child_env, core_version_for
 from upstream import megatron_lm_snapshots
 
 from ess_patch.patchset import discover, series_gaps
@@ -74,8 +73,7 @@ for t in INTEGRATIONS["megatron_rl"].targets:
     seen.append(t.path)
 print("VENDORED", len(seen))
 """
-    env = {k: v for k, v in os.environ.items() if k != "ESS_PATCH_AUTO_INSTALL"}
-    env["PYTHONPATH"] = pythonpath(core_version_for(folder), tree)
+    env = child_env(core_version_for(folder), tree)
     result = subprocess.run(
         [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600
     )
