@@ -830,3 +830,26 @@ def test_megatron_core_is_the_trees_own():
         except ValueError:  # a copy under another name (vendored mode): the environment's own
             expected = installed_core()
     assert package_info.__version__ == expected
+
+
+def test_scored_positions_by_hand():
+    """Which log-prob positions count, hand-computed: the i-th inference log-prob scores the
+    i-th generated token (log-prob one position earlier), across main's multi-region rows; a
+    padded packed row loses only a final eod that reads as padding."""
+    from ess_patch.integrations.megatron_rl import _padded_count, _scored
+
+    #            positions: 0  1  2  3  4  5  6  7
+    gen = torch.tensor([0, 1, 1, 0, 0, 1, 1, 1], dtype=torch.bool)  # two turns, eod at 7
+    assert _scored(gen, 4, 0, 7).tolist() == [0, 1, 4, 5]  # the eod (7 -> 6) unscored
+    assert _scored(gen, 5, 0, 7).tolist() == [0, 1, 4, 5, 6]
+    assert _scored(gen, 4, 10, 17).tolist() == [10, 11, 14, 15]  # in a packed bin at 10
+    assert _scored(gen, 0, 0, 7).tolist() == []
+    tokens = torch.tensor([3, 7, 8, 4, 4, 9, 9, EOD])
+    padded = torch.tensor([-0.5, -0.25, -1.0, -2.0, 0.0, 0.0, 0.0, 0.0])
+    assert _padded_count(gen, tokens, padded, EOD) == 4  # the final eod reads as padding
+    reported = padded.clone()
+    reported[4] = -0.125  # the engine scored the eod: it counts
+    assert _padded_count(gen, tokens, reported, EOD) == 5
+    assert _padded_count(gen, torch.tensor([3, 7, 8, 4, 4, 9, 9, 9]), padded, EOD) == 5
+    assert _padded_count(gen, tokens, torch.zeros(8), EOD) == 0  # an all-pad row
+    assert _padded_count(torch.zeros(8, dtype=torch.bool), tokens, padded, EOD) == 0
