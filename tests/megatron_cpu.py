@@ -179,8 +179,9 @@ def build_megatron_optimizer(
     ``decay_steps``; biases get half the max/min LR, so every child
     has two param groups with different LRs. Raises ``ValueError`` for an unknown kind.
     """
+    from megatron.core import optimizer as megatron_optimizer
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, ParamKey, get_megatron_optimizer
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.transformer import TransformerConfig
 
@@ -222,10 +223,22 @@ def build_megatron_optimizer(
     for _ in range(n_models):
         module = TinyNet(expert=expert).to(params_dtype)
         models.append(DistributedDataParallel(transformer_config, ddp_config, module))
-    overrides = {ParamKey(name="*.bias"): {"max_lr": lr / 2, "min_lr": min_lr / 2, "wd_mult": 0.0}}
-    opt = get_megatron_optimizer(
-        config, models, config_overrides=overrides, use_gloo_process_groups=False
-    )
+    ParamKey = getattr(megatron_optimizer, "ParamKey", None)
+    if ParamKey is not None:
+        overrides = {
+            ParamKey(name="*.bias"): {"max_lr": lr / 2, "min_lr": min_lr / 2, "wd_mult": 0.0}
+        }
+        opt = get_megatron_optimizer(
+            config, models, config_overrides=overrides, use_gloo_process_groups=False
+        )
+    else:  # before 0.16: the same half LR through lr_mult (biases get no weight decay there)
+        opt = get_megatron_optimizer(
+            config,
+            models,
+            scale_lr_cond=lambda name, _param: name.endswith(".bias"),
+            lr_mult=0.5,
+            use_gloo_process_groups=False,
+        )
     if layerwise:
         opt = _make_layerwise(opt, config, bf16)
     scheduler = OptimizerParamScheduler(
@@ -252,12 +265,16 @@ def _make_layerwise(chained, config, bf16: bool):
     ``Float16OptimizerWithFloat16Params`` itself. With dp size 1 it shards nothing and its
     all-gather is a no-op.
     """
+    import inspect
+
     from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     children = list(chained.chained_optimizers)
     config.bf16 = bf16
     init_fns = [child.init_state_fn for child in children]
+    if bf16 and "expects base torch optimizers" in inspect.getsource(LayerWiseDistributedOptimizer):
+        children = [child.optimizer for child in children]  # 0.19: bf16 wraps them itself
     return LayerWiseDistributedOptimizer(
         children,
         config,

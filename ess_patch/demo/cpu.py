@@ -20,6 +20,8 @@ tests, which use this same shim) reach; each piece below was checked to be neces
   ``clip_grad_by_total_norm_fp32`` asserts ``torch.cuda.FloatTensor`` (clip_grad > 0).
 * ``torch.cuda.current_device()`` raises on a CPU build: stubbed to return 0 (DDP grad
   buffers are allocated on it).
+* ``torch.cuda.current_stream()`` (0.19: ``start_grad_sync`` waits there for CUDA-graph
+  events, which CPU parameters never carry): stubbed with a stream that has nothing to wait for.
 
 Not needed on these paths: ``torch.cuda.Stream`` (only with several distributed-optimizer
 instances or overlapped grad reduce), ``torch.cuda.synchronize``, ``is_available``.
@@ -74,10 +76,18 @@ class _CudaToCpu(TorchFunctionMode):
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
     """Let megatron-core's CUDA-assuming optimizer / DDP code run on the CPU (demo only)."""
-    saved = torch.cuda.current_device
+    saved = torch.cuda.current_device, torch.cuda.current_stream
     torch.cuda.current_device = lambda: 0
+    torch.cuda.current_stream = lambda *_a, **_k: _NoStream()
     try:
         with _CudaToCpu():
             yield
     finally:
-        torch.cuda.current_device = saved
+        torch.cuda.current_device, torch.cuda.current_stream = saved
+
+
+class _NoStream:
+    """The current "stream" on the CPU: everything already happened in order."""
+
+    def wait_event(self, _event: Any) -> None:
+        return None

@@ -1,78 +1,192 @@
 """Megatron-RL (NVIDIA Megatron-LM's ``megatron/rl``, ``train_rl.py``): flags, ESS hook, metrics.
 
-Megatron-LM ``core_v0.16.1`` facts this relies on (detected by symbol and parameter name,
-never by commit):
+What this relies on, detected by symbol and parameter name (``MEGATRON_RL_HISTORY``), never by
+commit; tested on core_v0.16.1, core_v0.17.1, core_v0.18.2 and radixark's miles-main fork:
 
 - ``megatron.training.arguments.parse_args(extra_args_provider=None, ...)``; ``initialize``
   imports it by name (``megatron.training.initialize.parse_args``), so both sites are wrapped.
+  A Megatron-RL run is one with ``--perform-rl-step``.
 - ``megatron.rl.rl_utils.prepare_data_for_update`` runs once per rollout collection on every
-  rank; the old (train) log-probs are computed there for the rank's trajectories (rollouts
-  split over the data-parallel group without CP), broadcast over PP, so every stage and
-  every CP peer holds them whole. With inference log-probs it then calls, by module-global
-  name, either ``align_unpacked_inference_logprobs(inference_logprobs,
-  old_logprobs_for_data, generation_masks, group_stats)`` (unpacked) or
+  rank; the old (train) log-probs are computed there for the rank's rows (rollouts split over
+  the data-parallel group without CP) and broadcast over PP, so every stage and every CP peer
+  holds them whole (on main, CP RL all-gathers them back to whole rows). With inference
+  log-probs it calls, by module-global name, ``align_unpacked_inference_logprobs(
+  inference_logprobs, old_logprobs_for_data, generation_masks, group_stats)`` (unpacked) or
   ``compute_packed_inference_logprobs_stats(old_logprobs, packed_inference_logprobs,
-  packed_loss_mask, group_stats)`` (packed; the bins are in
-  ``get_rl_runtime_state().packing_context.packing_info``). The ESS is computed in those,
-  from the same tensors Megatron-RL's own mismatch statistics use, and armed for every
-  optimizer step until the next collection; ``train_step`` runs the scheduler after
-  ``optimizer.step()``, whose megatron-core wrapper has restored the LRs by then.
-- ``maybe_log_training_metrics(group_stats, current_iteration, ..., wandb_writer, tb_writer)``
-  logs the collection's flat-named metrics (``mean_reward``, ``mean_piold_to_inf_prob``...);
-  the ESS metrics go to the same writers under the same flat naming.
+  packed_loss_mask, group_stats[, filled_mask])`` (packed; the bins are in
+  ``get_rl_runtime_state().packing_context``). The ESS is computed there and armed for every
+  optimizer step until the next collection.
+- Which positions count: those the inference engine scored, i.e. the i-th inference log-prob
+  of a row scores its i-th generated token (the appended eod has none). Packed, where the
+  release passes ``filled_mask`` (core_v0.19 on), only among the positions it marks. A row with no
+  such position (main's all-pad rows, inference log-probs ``None``; rows without generated
+  tokens) is not a trajectory. A trajectory is a training row, as in each release: one turn of
+  a multi-turn rollout up to core_v0.19 (each turn is its own row with the rollout's
+  advantage), the whole rollout on main (one row with a multi-region generation mask).
+- ``maybe_log_training_metrics`` logs the collection's flat-named metrics (``mean_reward``...);
+  the ESS metrics go to the same writers: its ``wandb_writer`` / ``tb_writer`` parameters up to
+  core_v0.16.x, Megatron's global writers since core_v0.17.0.
 
-Shadow mode (``--ess-lr-shadow`` / ``ESS_LR_SHADOW``) runs the same hooks and collectives but
-keeps the result for the logs only (``ess_lr_shadow_scale``), never arming it.
+Every rank enters the same collectives (DP inside ``compute_ess_lr``, then one gather over CP
+and one over PP of each rank's envelope and result), so that a fault on any rank is an error on
+all of them, and CP peers or PP stages that computed different results (rows that were not
+whole) are an error too. Shadow mode (``--ess-lr-shadow`` / ``ESS_LR_SHADOW``) runs the same
+hooks and collectives but keeps the result for the logs only (``ess_lr_shadow_scale``).
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..patching import MissingTargetError, Target
 from ..state import STATE, arm, armed, disarm
 from . import Integration
-from .binding import bind, parameters
+from .binding import bind
 from .rl_hooks import (
     Framework,
     Groups,
-    add_ess_arguments,
+    compose_custom_arguments,
     config_from_args,
     ess_metrics,
     shadow_requested,
     validate,
 )
+from .shapes import Aspect, Feature, History, Shape
 
-__all__ = ["MEGATRON_RL", "MEGATRON_RL_FRAMEWORK"]
+__all__ = ["MEGATRON_RL", "MEGATRON_RL_FRAMEWORK", "MEGATRON_RL_HISTORY"]
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED = "Megatron-LM core_v0.16.x (megatron/rl with prepare_data_for_update)"
+SUPPORTED = (
+    "Megatron-LM core_v0.16.1 to core_v0.18.2 (megatron/rl with prepare_data_for_update) and "
+    "radixark's miles-main fork @2e64d788b; core_v0.19 / main shapes detected by feature"
+)
 NAME = "megatron_rl"
 
 _RL_UTILS = "megatron.rl.rl_utils"
 _PACKING = "megatron.rl.sequence_packing_utils"
+_ARGUMENTS = "megatron.training.arguments"
+_GLOBALS = "megatron.training.global_vars"
+_UNPACKED = ("inference_logprobs", "old_logprobs_for_data", "generation_masks")
+_PACKED = ("old_logprobs", "packed_inference_logprobs", "packed_loss_mask")
 
-#: Parameters each wrapped function must have (bound by name, not position).
-_SIGNATURES: dict[str, tuple[str, ...]] = {
-    "parse_args": ("extra_args_provider",),
-    "align_unpacked_inference_logprobs": (
-        "inference_logprobs",
-        "old_logprobs_for_data",
-        "generation_masks",
+
+# --- the shapes Megatron-RL has had ------------------------------------------------------------
+
+
+def _writers_from_parameters(call: Mapping[str, Any]) -> tuple[Any, Any]:
+    return call.get("wandb_writer"), call.get("tb_writer")
+
+
+def _global_writers(_call: Mapping[str, Any]) -> tuple[Any, Any]:
+    from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+
+    return get_wandb_writer(), get_tensorboard_writer()
+
+
+_PACKING_CONTEXT = (Feature(_RL_UTILS, "get_rl_runtime_state"), Feature(_PACKING, "PackingInfo"))
+
+MEGATRON_RL_HISTORY = History(
+    framework=NAME,
+    supported=SUPPORTED,
+    aspects=(
+        Aspect(
+            "arguments",
+            (
+                Shape(
+                    "parse_args(extra_args_provider)",
+                    "core_v0.16.1 to main",
+                    (Feature(_ARGUMENTS, "parse_args", ("extra_args_provider",)),),
+                ),
+            ),
+            phrase="flags via {label}",
+        ),
+        Aspect(
+            "collection",
+            (
+                Shape(
+                    "prepare_data_for_update",
+                    "core_v0.16.1 to main",
+                    (Feature(_RL_UTILS, "prepare_data_for_update"),),
+                ),
+            ),
+            phrase="one ESS per {label}",
+        ),
+        Aspect(
+            "unpacked",
+            (
+                Shape(
+                    f"align_unpacked_inference_logprobs({', '.join(_UNPACKED)})",
+                    "core_v0.16.1 to main",
+                    (Feature(_RL_UTILS, "align_unpacked_inference_logprobs", _UNPACKED),),
+                ),
+            ),
+            phrase="unpacked via {label}",
+        ),
+        Aspect(
+            "packed",
+            (
+                Shape(
+                    "compute_packed_inference_logprobs_stats(..., filled_mask): the positions "
+                    "the release marks filled",
+                    "core_v0.19.0 to main",
+                    (
+                        Feature(
+                            _PACKING,
+                            "compute_packed_inference_logprobs_stats",
+                            (*_PACKED, "filled_mask"),
+                        ),
+                        *_PACKING_CONTEXT,
+                    ),
+                    lambda call: call.get("filled_mask"),
+                ),
+                Shape(
+                    f"compute_packed_inference_logprobs_stats({', '.join(_PACKED)}): the "
+                    "scored positions from the packing context",
+                    "core_v0.16.1 to core_v0.18.x",
+                    (
+                        Feature(_PACKING, "compute_packed_inference_logprobs_stats", _PACKED),
+                        *_PACKING_CONTEXT,
+                    ),
+                    lambda _call: None,
+                ),
+            ),
+            phrase="packed via {label}",
+        ),
+        Aspect(
+            "metrics",
+            (
+                Shape(
+                    "maybe_log_training_metrics(wandb_writer, tb_writer)",
+                    "core_v0.16.1 to core_v0.16.x",
+                    (
+                        Feature(
+                            _RL_UTILS,
+                            "maybe_log_training_metrics",
+                            ("current_iteration", "wandb_writer", "tb_writer"),
+                        ),
+                    ),
+                    _writers_from_parameters,
+                ),
+                Shape(
+                    "Megatron's global writers (get_wandb_writer / get_tensorboard_writer)",
+                    "core_v0.17.0 to main",
+                    (
+                        Feature(_RL_UTILS, "maybe_log_training_metrics", ("current_iteration",)),
+                        Feature(_GLOBALS, "get_wandb_writer"),
+                        Feature(_GLOBALS, "get_tensorboard_writer"),
+                    ),
+                    _global_writers,
+                ),
+            ),
+            phrase="metrics to {label}",
+        ),
     ),
-    "compute_packed_inference_logprobs_stats": (
-        "old_logprobs",
-        "packed_inference_logprobs",
-        "packed_loss_mask",
-    ),
-    "prepare_data_for_update": (),
-    "maybe_log_training_metrics": ("current_iteration", "wandb_writer", "tb_writer"),
-}
+)
 
 
 def _groups() -> Groups:
@@ -80,11 +194,13 @@ def _groups() -> Groups:
 
     dp_group = mpu.get_data_parallel_group(with_context_parallel=False)
     pp_size = mpu.get_pipeline_model_parallel_world_size()
-    # CP peers hold the same trajectories' whole log-probs: no CP reduction (cp_group None).
+    cp_size = mpu.get_context_parallel_world_size()
+    # CP peers hold the same rows whole: no CP reduction in the estimate; the group is used
+    # only to check that the peers agree (see _agree).
     return Groups(
-        cp_group=None,
+        cp_group=mpu.get_context_parallel_group() if cp_size > 1 else None,
         cp_rank=mpu.get_context_parallel_rank(),
-        cp_size=mpu.get_context_parallel_world_size(),
+        cp_size=cp_size,
         dp_group=dp_group if mpu.get_data_parallel_world_size() > 1 else None,
         pp_group=mpu.get_pipeline_model_parallel_group() if pp_size > 1 else None,
         is_pp_last=mpu.is_pipeline_last_stage(),
@@ -108,70 +224,16 @@ MEGATRON_RL_FRAMEWORK = Framework(
     groups=_groups,
     no_input_reason=_no_input_reason,
     unsupported_reason=lambda _args: None,
+    history=MEGATRON_RL_HISTORY,
 )
 
 
-# --- binding by parameter name -----------------------------------------------------------------
-
-
-def _bind(wrapped: Callable[..., Any], name: str, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The call's arguments by parameter name (:func:`binding.bind`), or a clear error if the
-    host's shape differs."""
-    names = parameters(wrapped)
-    missing = [p for p in _SIGNATURES[name] if names and p not in names]
-    if missing:
-        raise MissingTargetError(
-            f"ess-patch ({NAME}): {wrapped.__module__}.{name} has no parameter "
-            f"{', '.join(missing)}. Supported: {SUPPORTED}"
-        )
+def _call(wrapped: Callable[..., Any], aspect: str, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The call's arguments by parameter name, after checking the host has the aspect's shape
+    (a clear error naming what is missing and the supported range, else)."""
+    MEGATRON_RL_HISTORY.choose(aspect)
     call = bind(wrapped, args, kwargs)
     return dict(kwargs) if call is None else dict(call.arguments)
-
-
-#: What the hooks use besides the wrapped functions: module -> names it must define.
-_FEATURES: dict[str, tuple[str, ...]] = {
-    _RL_UTILS: (
-        "prepare_data_for_update",
-        "align_unpacked_inference_logprobs",
-        "maybe_log_training_metrics",
-        "get_rl_runtime_state",
-    ),
-    _PACKING: ("compute_packed_inference_logprobs_stats", "PackingInfo"),
-}
-
-
-def check_host_shape() -> None:
-    """At start-up (``parse_args`` with ``--use-ess-lr``): the host has every symbol and
-    parameter the hooks rely on, detected by feature, not by version.
-
-    Raises:
-        MissingTargetError: naming the missing module, symbol or parameter and the
-            supported range.
-    """
-    import importlib
-
-    for module_name, names in _FEATURES.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise MissingTargetError(
-                f"ess-patch ({NAME}): --use-ess-lr needs {module_name}, which does not import "
-                f"({exc}). Supported: {SUPPORTED}"
-            ) from exc
-        for name in names:
-            value = getattr(module, name, None)
-            if value is None:
-                raise MissingTargetError(
-                    f"ess-patch ({NAME}): {module_name}.{name} is missing. Supported: {SUPPORTED}"
-                )
-            wanted = _SIGNATURES.get(name, ())
-            params = inspect.signature(value).parameters if wanted else {}
-            missing = [p for p in wanted if p not in params]
-            if missing:
-                raise MissingTargetError(
-                    f"ess-patch ({NAME}): {module_name}.{name} has no parameter "
-                    f"{', '.join(missing)}. Supported: {SUPPORTED}"
-                )
 
 
 def _host_args() -> Any:
@@ -191,133 +253,83 @@ def _enabled() -> tuple[Any, bool] | None:
     return None
 
 
-# --- the ESS of one collection -----------------------------------------------------------------
+# --- which positions count ---------------------------------------------------------------------
+
+Rows = tuple[list, list, list]
 
 
-def _agree_on_errors(error: BaseException | None) -> None:
-    """One all-reduce over the world: if any rank's input was bad, every rank raises.
-
-    Every rank runs ``prepare_data_for_update`` and reaches this point together, so no rank
-    is left waiting in a later collective for a peer that failed.
-    """
-    import torch
-    import torch.distributed as dist
-
-    from ..reduction import comm_device
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        if error is not None:
-            raise error
-        return
-    world, rank = dist.get_world_size(), dist.get_rank()
-    flag = torch.tensor(
-        [0.0 if error is None else float(world - rank)],
-        dtype=torch.float64,
-        device=comm_device(None),
-    )
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if error is not None:
-        raise error
-    if flag.item() > 0:
-        culprit = world - int(flag.item())
-        raise ValueError(
-            f"ess-patch ({NAME}): rank {culprit} had bad ESS-LR input in this rollout "
-            "collection (its own error is in its log); stopping on every rank so none hangs"
-        )
+def _scored(generation_mask: Any, count: int, offset: int, end: int) -> Any:
+    """The log-prob positions the engine scored in one row: the i-th of its ``count`` inference
+    log-probs scores the i-th generated token, whose log-prob sits one position earlier
+    (shifted by ``offset``, the row's start in a packed bin), kept inside ``[offset, end)``."""
+    generated = generation_mask.nonzero(as_tuple=True)[0]
+    target = offset + generated[: max(0, min(count, generated.numel()))] - 1
+    return target[(target >= offset) & (target < end)]
 
 
-def _compute_and_arm(
-    args: Any, build: Callable[[], tuple[list, list, list]], shadow: bool = False
-) -> None:
-    """``build()`` -> per-trajectory (train, inference, mask) lists on this rank; arm the ESS
-    (shadow mode: keep it for the logs only)."""
-    import torch.distributed as dist
-
-    from ..compute import compute_ess_lr
-
-    error: BaseException | None = None
-    inputs = None
-    try:
-        inputs = build()
-    except (TypeError, ValueError, IndexError, AttributeError) as exc:
-        error = exc if isinstance(exc, ValueError) else ValueError(f"ess-patch ({NAME}): {exc}")
-    _agree_on_errors(error)
-    groups = MEGATRON_RL_FRAMEWORK.groups()
-    payload: list[Any] = [None, None]  # [error message, result]
-    local_error: BaseException | None = None
-    if groups.is_pp_last:
-        try:
-            payload[1] = compute_ess_lr(
-                *inputs, config=config_from_args(args), dp_group=groups.dp_group
-            )
-        except Exception as exc:  # sent to the other stages, then re-raised here
-            if groups.pp_group is None:
-                raise
-            payload[0] = f"{type(exc).__name__}: {exc}"
-            local_error = exc
-    if groups.pp_group is not None:
-        last = dist.get_process_group_ranks(groups.pp_group)[-1]
-        dist.broadcast_object_list(payload, src=last, group=groups.pp_group)
-        if groups.is_pp_last and local_error is not None:
-            raise local_error
-        if payload[0] is not None:
-            raise ValueError(
-                f"ess-patch ({NAME}): the last pipeline stage failed to compute the ESS: "
-                f"{payload[0]}"
-            )
-    if shadow:
-        STATE.shadow = payload[1]
-        logger.debug("ess-patch (%s): shadow %s", NAME, payload[1])
-        return
-    result = arm(payload[1])
-    logger.debug("ess-patch (%s): armed %s", NAME, result)
-
-
-def _rows(old: Any, inference: Any, mask: Any) -> tuple[list, list, list]:
-    if old.shape != inference.shape or mask.shape != old.shape:
-        raise ValueError(
-            f"ess-patch ({NAME}): old log-probs {tuple(old.shape)}, inference log-probs "
-            f"{tuple(inference.shape)} and mask {tuple(mask.shape)} must have the same shape"
-        )
-    return list(old.unbind(0)), list(inference.unbind(0)), list(mask.unbind(0))
-
-
-def _unpacked_inputs(
-    inference_list: Any, old: Any, generation_masks: Any, padded: Any
-) -> tuple[list, list, list]:
-    """Rows = trajectories; the mask is upstream's (generated tokens, shifted by one)."""
+def _count(inference: Any) -> int:
+    """How many log-probs the engine reported for a row (0: none, e.g. an all-pad row)."""
     import torch
 
+    return len(inference) if isinstance(inference, torch.Tensor) else 0
+
+
+def _padded_count(generation_mask: Any, tokens: Any, inference: Any, eod: int) -> int:
+    """The packed path (every release so far) pads each row's inference log-probs with zeros to
+    the sequence length, so their number is gone: every generated token, less a final eod
+    that reads as padding (the train side appends it and the engine never scores it; a
+    filled_mask does not leave it out either, as its slot is inside the padded row); none for
+    a row of zeros (main's all-pad rows)."""
+    import torch
+
+    if not isinstance(inference, torch.Tensor) or not bool(inference.any()):
+        return 0
+    generated = generation_mask.nonzero(as_tuple=True)[0]
+    count = generated.numel()
+    if count and int(tokens[generated[-1]]) == eod and count <= len(inference):
+        count -= int(float(inference[count - 1]) == 0.0)
+    return count
+
+
+def _unpacked_inputs(inference_list: Any, old: Any, generation_masks: Any, padded: Any) -> Rows:
+    """One trajectory per row with a scored position; the values upstream's statistics and
+    loss use (its aligned tensor ``padded``)."""
     if inference_list is None:
         raise ValueError(
             f"ess-patch ({NAME}): the rollouts carry no inference log-probs "
             "(inference_logprobs is None)"
         )
-    if old.dim() != 2 or len(inference_list) != old.shape[0]:
+    if (
+        old.dim() != 2
+        or len(inference_list) != old.shape[0]
+        or generation_masks.shape[0] != old.shape[0]
+    ):
         raise ValueError(
-            f"ess-patch ({NAME}): {len(inference_list)} inference log-prob tensors for old "
-            f"log-probs of shape {tuple(old.shape)} (one per trajectory expected)"
+            f"ess-patch ({NAME}): {len(inference_list)} inference log-prob tensors and "
+            f"generation masks {tuple(generation_masks.shape)} for old log-probs of shape "
+            f"{tuple(old.shape)} (one per trajectory expected)"
         )
-    mask = generation_masks[:, 1:].bool()
-    width = old.shape[1]
-    if mask.shape[1] >= width:
-        mask = mask[:, :width]
-    else:
-        mask = torch.nn.functional.pad(mask, (0, width - mask.shape[1]), value=False)
-    if mask.shape[0] != old.shape[0]:
+    if padded.shape != old.shape:
         raise ValueError(
-            f"ess-patch ({NAME}): generation masks for {mask.shape[0]} trajectories, old "
-            f"log-probs for {old.shape[0]}"
+            f"ess-patch ({NAME}): aligned inference log-probs {tuple(padded.shape)} and old "
+            f"log-probs {tuple(old.shape)} must have the same shape"
         )
-    return _rows(old, padded, mask)
+    lps, rlps = [], []
+    for i, inference in enumerate(inference_list):
+        positions = _scored(generation_masks[i], _count(inference), 0, old.shape[1])
+        if positions.numel():
+            lps.append(old[i, positions])
+            rlps.append(padded[i, positions])
+    return lps, rlps, [lp.new_ones(lp.shape, dtype=bool) for lp in lps]
 
 
-def _packed_inputs(
-    old: Any, packed_inference: Any, packed_loss_mask: Any
-) -> tuple[list, list, list]:
-    """One trajectory per packed sequence: its positions ``[start, start + len - 1)`` in the
-    log-prob row (position p predicts token p + 1; the last one would predict the next
-    sequence's first token)."""
+def _packed_inputs(old: Any, packed_inference: Any, packed_loss_mask: Any, filled: Any) -> Rows:
+    """One trajectory per packed sequence with a scored position: its positions in
+    ``[start, start + len - 1)`` of the log-prob row (the last one would predict the next
+    sequence's first token) that the loss mask keeps and the engine scored (from the packing
+    context's generation masks and padded inference log-probs; and, where the release passes
+    one, inside its ``filled`` mask)."""
+    import torch
     from megatron.rl.rl_utils import get_rl_runtime_state
 
     context = getattr(get_rl_runtime_state(), "packing_context", None)
@@ -336,38 +348,137 @@ def _packed_inputs(
             f"log-probs {tuple(packed_inference.shape)} and loss mask "
             f"{tuple(packed_loss_mask.shape)} (minus its first column) do not line up"
         )
-    # Upstream pads each trajectory's inference log-probs with zeros to seq_length before
-    # packing, so the appended eod (which inference never scored) reads 0 in the packed
-    # tensor; the unpacked path reuses the train value there. Do the same here (an exact
-    # 0.0 from inference is p = 1, where the train value is ~0 too), so that packing does
-    # not change the ESS.
-    packed_inference = packed_inference.where(packed_inference != 0, old)
     if len(info.bin_seq_indices) != old.shape[0]:
         raise ValueError(
             f"ess-patch ({NAME}): {len(info.bin_seq_indices)} bins in the packing info, "
             f"{old.shape[0]} rows of packed log-probs"
         )
-    lps, rlps, masks = [], [], []
+    from megatron.training.global_vars import get_tokenizer
+
+    eod = get_tokenizer().eod
+    scored = torch.zeros_like(mask)
+    masks, tokens = context.original_generation_masks, context.original_trajs
+    inferences = context.original_inference_logprobs
     for b, seqs in enumerate(info.bin_seq_indices):
         for j, seq in enumerate(seqs):
             start = info.seq_starts[b][j]
             end = min(start + info.seq_lengths[seq] - 1, old.shape[1])
-            lps.append(old[b, start:end])
-            rlps.append(packed_inference[b, start:end])
-            masks.append(mask[b, start:end])
-    return lps, rlps, masks
+            count = _padded_count(masks[seq], tokens[seq], inferences[seq], eod)
+            scored[b, _scored(masks[seq], count, start, end)] = True
+    scored &= mask
+    if filled is not None:  # the release's own mark: never count a position it left out
+        if filled.shape != mask.shape:
+            raise ValueError(
+                f"ess-patch ({NAME}): filled_mask {tuple(filled.shape)} and packed old "
+                f"log-probs {tuple(old.shape)} do not line up"
+            )
+        scored &= filled.cpu().bool()
+    lps, rlps = [], []
+    for b, seqs in enumerate(info.bin_seq_indices):
+        for j, seq in enumerate(seqs):
+            start = info.seq_starts[b][j]
+            end = min(start + info.seq_lengths[seq] - 1, old.shape[1])
+            positions = start + scored[b, start:end].nonzero(as_tuple=True)[0]
+            if positions.numel():
+                lps.append(old[b, positions])
+                rlps.append(packed_inference[b, positions])
+    return lps, rlps, [lp.new_ones(lp.shape, dtype=bool) for lp in lps]
+
+
+# --- the ESS of one collection, agreed on every rank -------------------------------------------
+
+
+def _raising(error: BaseException) -> Callable[[Any], Any]:
+    def prepare(_masks: Any) -> Any:
+        raise error
+
+    return prepare
+
+
+def _agree(result: Any, error: BaseException | None, group: Any, name: str, config: Any) -> Any:
+    """One all-gather over ``group`` of each rank's envelope and result: the error this rank
+    must raise (a peer's failure, other settings, another result), or None."""
+    import torch
+
+    from ..reduction import ENVELOPE_SIZE, all_gather_rows, check_envelopes, envelope
+    from ..result import ENCODED_SIZE
+
+    payload = torch.zeros(ENCODED_SIZE, dtype=torch.float64)
+    if error is None:
+        payload = torch.tensor(result.encode(), dtype=torch.float64)
+    row = torch.cat([envelope(failed=error is not None, config=config), payload])
+    rows = all_gather_rows(row, group, name)
+    if error is not None:
+        return error
+    fault = check_envelopes(rows[:, :ENVELOPE_SIZE], name)
+    if fault is None and not bool((rows[:, ENVELOPE_SIZE:] == rows[0, ENVELOPE_SIZE:]).all()):
+        fault = ValueError(
+            f"ess-patch ({NAME}): the {name} ranks computed different ESS results "
+            f"({rows[:, ENVELOPE_SIZE:].tolist()}); Megatron-RL gives every {name} peer the "
+            "same whole rows, so this tree splits them in a way ess-patch does not know"
+        )
+    return fault
+
+
+def _compute_and_arm(args: Any, build: Callable[[], Rows], shadow: bool = False) -> None:
+    """``build()`` -> per-trajectory (train, inference, mask) lists on this rank; arm the ESS
+    (shadow mode: keep it for the logs only), or raise the same fault on every rank."""
+    from ..compute import compute_ess_lr
+    from ..reduction import group_size
+
+    groups = MEGATRON_RL_FRAMEWORK.groups()
+    config = config_from_args(args)
+    inputs: Rows = ([], [], [])
+    prepare = None
+    try:
+        inputs = build()
+    except Exception as exc:
+        wrapped = exc if isinstance(exc, ValueError) else ValueError(f"ess-patch ({NAME}): {exc}")
+        prepare = _raising(wrapped)  # inside compute_ess_lr: its DP peers learn of it
+    error: BaseException | None = None
+    result = None
+    try:
+        # every stage holds the rows: each computes over its DP group (no PP broadcast)
+        result = compute_ess_lr(
+            *inputs, config=config, dp_group=groups.dp_group, prepare_masks=prepare
+        )
+    except Exception as exc:
+        if group_size(groups.cp_group) <= 1 and group_size(groups.pp_group) <= 1:
+            raise
+        error = exc
+    for group, name in ((groups.cp_group, "CP"), (groups.pp_group, "PP")):
+        if group_size(group, name) > 1:
+            error = _agree(result, error, group, name, config)
+    if error is not None:
+        raise error
+    if shadow:
+        STATE.shadow = result
+        logger.debug("ess-patch (%s): shadow %s", NAME, result)
+        return
+    logger.debug("ess-patch (%s): armed %s", NAME, arm(result))
 
 
 # --- wrappers ----------------------------------------------------------------------------------
 
 
-def _guarded(wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """Run the upstream function; if it fails, every rank learns it (then re-raise)."""
+def _run_then_compute(
+    wrapped: Callable[..., Any], args: tuple, kwargs: dict, host: Any, shadow: bool, build: Any
+) -> Any:
+    """Run the upstream function, then the ESS; if either fails on one rank, every rank
+    raises (the failing one its own error)."""
     try:
-        return wrapped(*args, **kwargs)
+        out = wrapped(*args, **kwargs)
     except Exception as exc:
-        _agree_on_errors(exc)
-        raise
+        failure = exc
+
+        def fail() -> Rows:
+            raise failure
+
+        with contextlib.suppress(Exception):  # the peers learn of it in the collectives
+            _compute_and_arm(host, fail, shadow)
+        raise  # upstream's own error, on this rank
+    _compute_and_arm(host, lambda: build(out), shadow)
+    return out
 
 
 def align_wrapper(wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -376,26 +487,18 @@ def align_wrapper(wrapped: Callable[..., Any], _instance: Any, args: tuple, kwar
     if enabled is None:
         return wrapped(*args, **kwargs)
     host, shadow = enabled
-    call = _bind(wrapped, "align_unpacked_inference_logprobs", args, kwargs)
-    if call["inference_logprobs"] is None:  # before upstream fails on it, on this rank only
-        _agree_on_errors(
-            ValueError(
-                f"ess-patch ({NAME}): the rollouts carry no inference log-probs "
-                "(inference_logprobs is None)"
-            )
-        )
-    padded = _guarded(wrapped, args, kwargs)
-    _compute_and_arm(
+    call = _call(wrapped, "unpacked", args, kwargs)
+    inference, old, masks = (call.get(name) for name in _UNPACKED)
+    if inference is None:  # upstream would fail on it with a TypeError, on this rank only
+        _compute_and_arm(host, lambda: _unpacked_inputs(None, old, masks, old), shadow)
+    return _run_then_compute(
+        wrapped,
+        args,
+        kwargs,
         host,
-        lambda: _unpacked_inputs(
-            call["inference_logprobs"],
-            call["old_logprobs_for_data"],
-            call["generation_masks"],
-            padded,
-        ),
         shadow,
+        lambda padded: _unpacked_inputs(inference, old, masks, padded),
     )
-    return padded
 
 
 def packed_stats_wrapper(
@@ -406,16 +509,16 @@ def packed_stats_wrapper(
     if enabled is None:
         return wrapped(*args, **kwargs)
     host, shadow = enabled
-    call = _bind(wrapped, "compute_packed_inference_logprobs_stats", args, kwargs)
-    out = _guarded(wrapped, args, kwargs)
-    _compute_and_arm(
+    call = _call(wrapped, "packed", args, kwargs)
+    filled = MEGATRON_RL_HISTORY.choose("packed").adapter(call)
+    return _run_then_compute(
+        wrapped,
+        args,
+        kwargs,
         host,
-        lambda: _packed_inputs(
-            call["old_logprobs"], call["packed_inference_logprobs"], call["packed_loss_mask"]
-        ),
         shadow,
+        lambda _out: _packed_inputs(*(call.get(name) for name in _PACKED), filled),
     )
-    return out
 
 
 def prepare_wrapper(wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -438,18 +541,19 @@ def log_metrics_wrapper(
     wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict
 ) -> Any:
     """Add the ESS metrics (armed, or shadow mode's) to the collection's wandb / tensorboard
-    record."""
+    record, in the writers this release logs to."""
     out = wrapped(*args, **kwargs)
     metrics = ess_metrics()
     if not metrics:
         return out
-    call = _bind(wrapped, "maybe_log_training_metrics", args, kwargs)
+    call = _call(wrapped, "metrics", args, kwargs)
+    wandb_writer, tb_writer = MEGATRON_RL_HISTORY.choose("metrics").adapter(call)
     step = call["current_iteration"]
-    if call.get("wandb_writer"):
-        call["wandb_writer"].log(metrics, step=step)
-    if call.get("tb_writer"):
+    if wandb_writer:
+        wandb_writer.log(metrics, step=step)
+    if tb_writer:
         for key, value in metrics.items():
-            call["tb_writer"].add_scalar(key, value, step)
+            tb_writer.add_scalar(key, value, step)
     return out
 
 
@@ -465,25 +569,31 @@ def parse_args_wrapper(
     ``megatron/rl`` (``megatron.training.training`` imports ``megatron.rl.rl_utils``), and
     they validate ``--use-ess-lr`` with their own rules.
     """
-    call = _bind(wrapped, "parse_args", args, kwargs)
-    user = call.get("extra_args_provider")
+    call = _call(wrapped, "arguments", args, kwargs)
+    if "extra_args_provider" not in call:
+        raise MissingTargetError(
+            f"ess-patch ({NAME}): {wrapped.__module__}.parse_args was called without "
+            f"extra_args_provider. Supported: {SUPPORTED}"
+        )
+    user = call["extra_args_provider"]
     host_flags: list[bool] = []
 
-    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    def user_then_note(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if user is not None:
             returned = user(parser)
             parser = parser if returned is None else returned
         # the host (miles, slime, a fork) declared --use-ess-lr itself: it owns the validation
         host_flags.append("--use-ess-lr" in parser._option_string_actions)
-        return add_ess_arguments(parser)
+        return parser
 
-    call["extra_args_provider"] = provider
+    call["extra_args_provider"] = compose_custom_arguments(user_then_note)
     parsed = wrapped(**call)
     requested = getattr(parsed, "use_ess_lr", False) or shadow_requested(parsed)
     if getattr(parsed, "perform_rl_step", False):
         validate(MEGATRON_RL_FRAMEWORK, parsed)
-        if requested:
-            check_host_shape()
+        if requested:  # decided afresh for this run: an unknown tree fails here, not later
+            STATE.shapes.pop(NAME, None)
+            MEGATRON_RL_HISTORY.choose_all()
     elif requested and host_flags and not host_flags[0]:
         raise ValueError(
             "--use-ess-lr (or --ess-lr-shadow) was given to Megatron's parse_args, but this is "
@@ -502,7 +612,7 @@ MEGATRON_RL = Integration(
     targets=(
         # the order of the call sites in the patches/ series' message
         Target(
-            "megatron.training.arguments",
+            _ARGUMENTS,
             "",
             "parse_args",
             parse_args_wrapper,
@@ -541,4 +651,5 @@ MEGATRON_RL = Integration(
             "megatron.training.initialize", "", "parse_args", parse_args_wrapper, required=False
         ),
     ),
+    history=MEGATRON_RL_HISTORY,
 )

@@ -145,6 +145,20 @@ def _print_statuses(statuses: list[PatchStatus]) -> None:
         print(f"  {s.patch.name:<{width}}  {s.describe()}")
 
 
+def _series_list(component: str) -> str:
+    """The series of ``component`` and the upstream releases they were made from (the
+    ``(release X)`` their message names), for a tree none of them fits."""
+    named = []
+    for series in discover(component):
+        text = series.patches[0].read_text(encoding="utf-8") if series.patches else ""
+        release = re.search(r"\(release ([^)\s]+)\)", text)
+        named.append(f"{series.version} ({release.group(1)})" if release else series.version)
+    return (
+        f"no {component} series fits this tree; series exist for: {', '.join(named)}. Use "
+        "one of those releases, or port the nearest series (patches/README.md)"
+    )
+
+
 def _describe_tree(tree: Tree) -> str:
     version = tree.version or "version unknown"
     return f"{tree.root} ({tree.component} {version}, from {tree.evidence})"
@@ -174,6 +188,8 @@ def _act(args: argparse.Namespace) -> int:
     _print_statuses(statuses)
     states = {s.state for s in statuses}
     conflicting = State.CONFLICTING in states
+    if conflicting and args.patches_command != "revert":
+        print(_series_list(tree.component), file=sys.stderr)
     gaps = [] if conflicting else series_gaps(series, tree.root)
     for gap in gaps:
         print(f"  gap with install(): {gap}")

@@ -2,9 +2,11 @@
 
 ``test_megatron_rl.py`` runs in this session against ``$MEGATRON_RL_SRC`` (NVIDIA core_v0.16.1);
 each other ``megatron-lm-*`` folder under ``$ESS_PATCH_UPSTREAM`` that holds ``megatron/rl``
-(today radixark's miles-main fork, 2e64d788b) gets the same file in a fresh interpreter with
-``MEGATRON_RL_SRC`` pointing at it: the real hooks, collectives and writers of that version,
-against the float64 reference. A new snapshot is tested by adding its folder.
+(radixark's miles-main fork 2e64d788b, core_v0.17.1, core_v0.18.2...) gets the same file in a
+fresh interpreter with ``MEGATRON_RL_SRC`` pointing at it and the megatron-core of its own
+version first on ``PYTHONPATH`` (tests/megatron_versions.py installs it once from the index):
+the real hooks, collectives and writers of that version, against the float64 reference. A new
+snapshot is tested by adding its folder.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 from pathlib import Path
 
 import pytest
+from megatron_versions import child_env, core_version_for
 from upstream import megatron_lm_snapshots, run_pytest
 
 FRAMEWORKS = Path(__file__).resolve().parent
@@ -26,11 +29,28 @@ CORE = {
     "test_unpacked_arms_the_reference_scale_on_every_rank[dp2xpp2]",
     "test_packed_arms_the_reference_scale_on_every_rank[dp2xcp2]",
     "test_packed_arms_the_reference_scale_on_every_rank[dp2xpp2]",
+    "test_every_optimizer_step_of_the_collection_is_scaled_and_restored",
     "test_flags_through_megatrons_parse_args_with_a_user_provider",
+    "test_train_rl_entry_parses_through_the_hook",
+    "test_a_miles_or_slime_parse_on_a_tree_with_megatron_rl_is_theirs_to_validate",
+    "test_use_ess_lr_on_a_plain_megatron_parse_is_refused",
     "test_no_inference_logprobs_is_a_startup_error",
     "test_metrics_reach_megatron_rls_writers",
     "test_mismatched_packed_shapes_are_an_error_on_every_rank",
+    "test_cp_peers_with_different_rows_are_an_error_on_every_rank",
+    "test_doctor_knows_megatron_rl",
+    "test_megatron_core_is_the_trees_own",
 }
+
+
+def test_each_snapshot_goes_with_the_megatron_core_of_its_release():
+    """The version comes from the tree (the folder name's release, or the fork's known pin)."""
+    for folder in megatron_lm_snapshots():
+        version = core_version_for(folder)
+        if "core_v" in folder.name:
+            assert folder.name.endswith(f"core_v{version}"), (folder, version)
+        else:
+            assert version == "0.16.1", (folder, version)  # the miles fork: 0.16.0rc0's line
 
 
 @pytest.mark.skipif(
@@ -39,10 +59,9 @@ CORE = {
 )
 @pytest.mark.parametrize("folder", OTHERS, ids=lambda f: f.name)
 def test_megatron_rl_tests_pass_on_each_megatron_lm_snapshot(folder, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "ESS_PATCH_AUTO_INSTALL"}
+    # the tree first: its megatron/training wins over the one megatron-core 0.17+ wheels ship
+    env = child_env(core_version_for(folder), folder)
     env["MEGATRON_RL_SRC"] = str(folder)
-    tests = str(FRAMEWORKS.parent)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, env.get("PYTHONPATH", "")]))
     passed, skipped, tail = run_pytest(FRAMEWORKS / "test_megatron_rl.py", env, tmp_path)
-    assert passed >= CORE, tail
+    assert passed >= CORE, (CORE - passed, tail)
     assert not skipped, tail  # nothing of that version left untested

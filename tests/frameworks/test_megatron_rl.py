@@ -1,17 +1,23 @@
-"""ess-patch inside the REAL Megatron-RL code (``MEGATRON_RL_SRC``: Megatron-LM core_v0.16.1).
+"""ess-patch inside the REAL Megatron-RL code (``MEGATRON_RL_SRC``: a Megatron-LM tree with
+``megatron/rl``; test_megatron_lm_snapshots.py runs this file on every snapshot, each with the
+megatron-core of its own version).
 
 - the real ``megatron.training.arguments.parse_args`` accepts the flags after install(),
-  composed with a user's ``extra_args_provider``, and rejects a run without inference
-  log-probs and a bad floor;
+  composed with a user's ``extra_args_provider``, and, for a Megatron-RL run
+  (``--perform-rl-step``), rejects a run without inference log-probs and a bad floor; a
+  miles/slime-like parse whose provider declares ``--use-ess-lr`` is left to that framework,
+  and ``--use-ess-lr`` on a plain Megatron parse is refused;
 - the real ``align_unpacked_inference_logprobs`` (unpacked) and the real packing path
   (``pack_all_trajectories`` -> ``pack_inference_logprobs`` ->
   ``compute_packed_inference_logprobs_stats``) in a gloo world (DP2 x CP2, and DP2 x PP2)
-  arm on every rank the float64 reference scale of all ranks' trajectories; every optimizer
+  arm on every rank the float64 reference scale of all ranks' trajectories, over the positions
+  the inference engine scored (never the appended eod), all-pad rows left out; every optimizer
   step of a real megatron-core optimizer in that collection is scaled by it, and the LRs are
   restored before the scheduler; the next collection drops it; disabled, nothing changes;
   ``--ess-lr-shadow`` computes and logs the same result and arms nothing;
 - the real ``maybe_log_training_metrics`` hands the metrics to a real tensorboard writer and
-  wandb's tables, beside Megatron-RL's own, at its step;
+  wandb's tables, beside Megatron-RL's own, at its step (the writers it is given up to
+  core_v0.16, Megatron's global writers after);
 - bad input (no inference log-probs, mismatched shapes, unpacked and packed) is an error on
   every rank, nothing armed; ``ess-patch doctor`` lists the megatron_rl targets.
 
@@ -62,6 +68,7 @@ if SKIP is None and SRC not in sys.path:
 
 B, S = 8, 24  # trajectories in the whole batch, sequence length
 DP = 2
+EOD, PAD = 1, 0  # the test tokenizer's
 
 # The tree on the path is patched with patches/megatron_rl (see the module docstring).
 VENDORED = os.environ.get("ESS_PATCH_TEST_MODE") == "vendored"
@@ -99,6 +106,7 @@ def _global_batch(seed: int = 0) -> list[dict]:
         prompt = 3 + i % 4
         gen = 4 + (5 * i) % 11
         tokens = torch.randint(5, 50, (prompt + gen,), generator=g)
+        tokens[-1] = EOD  # appended by the train side: the engine never scored it
         gen_mask = torch.zeros(S, dtype=torch.bool)
         gen_mask[prompt : prompt + gen] = True
         old = -torch.rand(S - 1, generator=g, dtype=torch.float32) * 2
@@ -108,26 +116,30 @@ def _global_batch(seed: int = 0) -> list[dict]:
     return out
 
 
-def _reference(batch: list[dict], **kw) -> dict:
+def _reference(batch: list[dict], *, with_eod: bool = False, **kw) -> dict:
+    """float64 ESS over the positions the engine scored (``with_eod``: also the appended eod,
+    at log-ratio 0, as upstream's unpacked alignment fills it)."""
     lps, rlps, masks = [], [], []
     for t in batch:
-        mask = t["gen_mask"][1:]
+        mask = t["gen_mask"][1:].clone()
         rlp = t["old"].clone().double()
         start = t["prompt"] - 1
         rlp[start : start + len(t["inf"])] = t["inf"].double()
+        if not with_eod:
+            mask[start + len(t["inf"]) :] = False
         lps.append(t["old"].double())
         rlps.append(rlp)
         masks.append(mask)
     return reference_ess(lps, rlps, masks, **kw)
 
 
-def _set_host_args(**extra) -> None:
+def _set_host_args(mode: str = "product", **extra) -> None:
     from megatron.training import global_vars
 
     args = argparse.Namespace(
         use_ess_lr=True,
         ess_lr_floor=0.1,
-        ess_lr_weight_mode="product",
+        ess_lr_weight_mode=mode,
         ess_lr_rule="sqrt",
         ess_lr_base_ratio=1.0,
         ess_lr_nonfinite="raise",
@@ -144,28 +156,31 @@ def _my_trajectories(batch: list[dict]) -> list[dict]:
     return batch[lay.dp_rank * per : (lay.dp_rank + 1) * per]
 
 
-def rank_unpacked(bad: str = "") -> dict:
+def rank_unpacked(bad: str = "", mode: str = "product") -> dict:
     import ess_patch
     from ess_patch.demo.cpu import megatron_on_cpu
 
     if bad == "shadow":  # --ess-lr-shadow instead of --use-ess-lr
-        _set_host_args(use_ess_lr=False, ess_lr_shadow=True)
+        _set_host_args(mode, use_ess_lr=False, ess_lr_shadow=True)
     else:
-        _set_host_args()
+        _set_host_args(mode)
     from megatron.rl import rl_utils
 
     from ess_patch.state import STATE
 
     _install()
     mine = _my_trajectories(_global_batch())
-    old = torch.stack([t["old"] for t in mine])
-    gen_masks = torch.stack([t["gen_mask"] for t in mine])
-    inference = [t["inf"] for t in mine]
+    # and a row without generated tokens (and so no inference log-prob): not a trajectory
+    old = torch.stack([t["old"] for t in mine] + [-torch.rand(S - 1)])
+    gen_masks = torch.stack([t["gen_mask"] for t in mine] + [torch.zeros(S, dtype=torch.bool)])
+    inference = [t["inf"] for t in mine] + [torch.empty(0)]
     lay = layout()
     if bad == "short" and lay.dp_rank == 1 and lay.cp_rank == 0:
         inference = inference[:-1]  # one trajectory fewer than old has rows
     if bad == "missing" and lay.dp_rank == 1:
         inference = None
+    if bad == "split" and lay.cp_rank == 1:  # CP peers whose rows differ (not whole rows)
+        inference = [t + 0.25 for t in inference[:-1]] + inference[-1:]
     stats = SimpleNamespace()
     with megatron_on_cpu():
         try:
@@ -182,8 +197,7 @@ def rank_unpacked(bad: str = "") -> dict:
     )
     if bad == "shadow":
         tb = _Writer()
-        stats.mean_reward = 0.5  # what the tensorboard branch reads besides ours
-        rl_utils.maybe_log_training_metrics(stats, 5, None, [], wandb_writer=None, tb_writer=tb)
+        _log_training_metrics(rl_utils, 5, None, tb)
         r = STATE.shadow
         return {
             "result": (r.scale, r.rho, r.status, r.num_trajectories),
@@ -209,9 +223,13 @@ class _Writer:
         self.scalars.append((key, value, step))
 
 
-def _check_reference(results: list[dict]) -> None:
-    ref = _reference(_global_batch(), mode="product")
-    assert ref["rho"] < 0.9  # a real check, not rho = 1
+def _check_reference(results: list[dict], mode: str = "product") -> None:
+    ref = _reference(_global_batch(), mode=mode)
+    assert ref["rho"] < 0.99  # a real check, not rho = 1
+    if mode == "geometric":  # the appended eod (log-ratio 0) would dilute each mean
+        assert _reference(_global_batch(), mode=mode, with_eod=True)["rho"] != pytest.approx(
+            ref["rho"], rel=1e-6
+        )
     got = {r["result"] for r in results}
     assert len(got) == 1, got  # every rank armed the same result
     scale, rho, status, n = got.pop()
@@ -220,11 +238,19 @@ def _check_reference(results: list[dict]) -> None:
     assert scale == pytest.approx(ref["scale"], rel=1e-6)
 
 
+# geometric (the default) is where the appended eod would change the answer; product as VCPO
+LAYOUTS = pytest.mark.parametrize(
+    "cp,pp,mode", [(2, 1, "geometric"), (1, 2, "product")], ids=["dp2xcp2", "dp2xpp2"]
+)
+
+
 @pytest.mark.dist
-@pytest.mark.parametrize("cp,pp", [(2, 1), (1, 2)], ids=["dp2xcp2", "dp2xpp2"])
-def test_unpacked_arms_the_reference_scale_on_every_rank(cp, pp, tmp_path):
-    results = run_ranks(rank_unpacked, dp=DP, cp=cp, pp=pp, tmp_path=tmp_path, timeout=120)
-    _check_reference(results)
+@LAYOUTS
+def test_unpacked_arms_the_reference_scale_on_every_rank(cp, pp, mode, tmp_path):
+    results = run_ranks(
+        rank_unpacked, dp=DP, cp=cp, pp=pp, args=("", mode), tmp_path=tmp_path, timeout=120
+    )
+    _check_reference(results, mode)
     assert all(r["same_output"] for r in results)  # upstream's own output untouched
     assert all(r["upstream_stat"] is not None for r in results)
 
@@ -308,17 +334,30 @@ def test_bad_unpacked_input_is_an_error_on_every_rank(bad, tmp_path):
     results = run_ranks(rank_unpacked, dp=DP, cp=2, args=(bad,), tmp_path=tmp_path, timeout=120)
     assert all("error" in r for r in results), results
     assert all(r["armed"] is None for r in results)  # nothing armed anywhere
-    culprit = [r["error"] for r in results if "rank" not in r["error"].split(":")[1][:12]]
-    assert culprit  # the bad rank says what is wrong
-    text = " ".join(r["error"] for r in results)
+    errors = [r["error"] for r in results]
+    culprits = [e for e in errors if not e.startswith("InvalidInputsElsewhereError")]
+    # the bad ranks say what is wrong (one for "short", both CP peers of DP rank 1 "missing")
+    assert len(culprits) == {"short": 1, "missing": 2}[bad], errors
+    assert all(e.startswith("ValueError: ess-patch (megatron_rl)") for e in culprits), errors
+    text = " ".join(culprits)
     assert ("inference log-prob tensors" in text) or ("no inference log-probs" in text)
 
 
-def rank_packed(bad: str = "") -> dict:
+@pytest.mark.dist
+def test_cp_peers_with_different_rows_are_an_error_on_every_rank(tmp_path):
+    """Megatron-RL gives every CP peer the same whole rows; a tree that splits them otherwise
+    gives the peers different results, and every rank stops instead of training with two
+    scales."""
+    results = run_ranks(rank_unpacked, dp=DP, cp=2, args=("split",), tmp_path=tmp_path, timeout=120)
+    assert all(r["armed"] is None for r in results), results
+    assert all("the CP ranks computed different ESS results" in r["error"] for r in results)
+
+
+def rank_packed(bad: str = "", mode: str = "product") -> dict:
     import ess_patch
     from ess_patch.demo.cpu import megatron_on_cpu
 
-    _set_host_args(rl_use_sequence_packing=True)
+    _set_host_args(mode, rl_use_sequence_packing=True)
     from megatron.core import parallel_state as mpu
     from megatron.rl import rl_utils
     from megatron.rl import sequence_packing_utils as spu
@@ -358,6 +397,9 @@ def rank_packed(bad: str = "") -> dict:
             generation_masks=ctx.original_generation_masks,
             bin_size=S,
         )
+        filled = {}
+        if isinstance(packed_inf, tuple):  # core_v0.19 on: (packed, filled_mask), passed on
+            packed_inf, filled["filled_mask"] = packed_inf
         lay = layout()
         if bad == "width" and lay.dp_rank == 1 and lay.cp_rank == 0:
             # one column short: upstream's own stats skip such a batch without a word
@@ -369,6 +411,7 @@ def rank_packed(bad: str = "") -> dict:
                 packed_inference_logprobs=packed_inf,
                 packed_loss_mask=ctx.packed_loss_mask,
                 group_stats=stats,
+                **filled,
             )
         except Exception as exc:
             return {"error": f"{type(exc).__name__}: {exc}", "armed": ess_patch.armed()}
@@ -382,10 +425,12 @@ def rank_packed(bad: str = "") -> dict:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("cp,pp", [(2, 1), (1, 2)], ids=["dp2xcp2", "dp2xpp2"])
-def test_packed_arms_the_reference_scale_on_every_rank(cp, pp, tmp_path):
-    results = run_ranks(rank_packed, dp=DP, cp=cp, pp=pp, tmp_path=tmp_path, timeout=120)
-    _check_reference(results)
+@LAYOUTS
+def test_packed_arms_the_reference_scale_on_every_rank(cp, pp, mode, tmp_path):
+    results = run_ranks(
+        rank_packed, dp=DP, cp=cp, pp=pp, args=("", mode), tmp_path=tmp_path, timeout=120
+    )
+    _check_reference(results, mode)
     assert all(r["upstream_stat"] is not None for r in results)
 
 
@@ -394,11 +439,16 @@ def test_mismatched_packed_shapes_are_an_error_on_every_rank(tmp_path):
     results = run_ranks(rank_packed, dp=DP, cp=2, args=("width",), tmp_path=tmp_path, timeout=120)
     assert all("error" in r for r in results), results
     assert all(r["armed"] is None for r in results)  # nothing armed anywhere
-    bad = [r["error"] for r in results if "do not line up" in r["error"]]
+    elsewhere = "InvalidInputsElsewhereError"
+    bad = [r["error"] for r in results if not r["error"].startswith(elsewhere)]
     assert len(bad) == 1, results
-    assert ", 22), inference log-probs (" in bad[0] and ", 23) and loss mask" in bad[0]
-    others = [r["error"] for r in results if "do not line up" not in r["error"]]
-    assert len(others) == 3 and all("rank 2 had bad ESS-LR input" in e for e in others), others
+    if "shape mismatch" not in bad[0]:  # main's own check raises first, naming the shapes
+        assert ", 22), inference log-probs (" in bad[0] and ", 23) and loss mask" in bad[0]
+    others = [r["error"] for r in results if r["error"].startswith(elsewhere)]
+    # its DP and CP peers first, through them the last rank: each names the rank it heard from
+    assert len(others) == 3, others
+    assert all(e.startswith("InvalidInputsElsewhereError: ESS-LR failed on rank") for e in others)
+    assert sum("failed on rank(s) 2 " in e for e in others) == 2, others
 
 
 # --- single process: flags and metrics ---------------------------------------------------------
@@ -419,12 +469,14 @@ def installed():
         ess_patch.uninstall()
 
 
-def _parse(argv: list[str], provider=None):
+def _parse(argv: list[str], provider=None, *, rl: bool = True):
+    """Megatron's real ``parse_args``; ``rl``: as ``train_rl.py``'s recipes run it (they pass
+    ``--perform-rl-step``)."""
     import megatron.rl.rl_utils  # noqa: F401  (as train_rl.py does before pretrain parses)
     from megatron.training import arguments
 
     old = sys.argv
-    sys.argv = ["train_rl.py", *argv]
+    sys.argv = ["train_rl.py", *(["--perform-rl-step"] if rl else []), *argv]
     try:
         return arguments.parse_args(extra_args_provider=provider)
     finally:
@@ -449,23 +501,37 @@ def test_flags_through_megatrons_parse_args_with_a_user_provider(installed):
     assert plain.use_ess_lr is False
 
 
-def test_initialize_megatron_parses_through_the_hook(installed):
-    """``initialize_megatron`` (what ``pretrain`` runs for ``train_rl.py``) calls the name it
-    imported, positionally: ``parse_args(extra_args_provider, ignore_unknown_args)``."""
+def test_train_rl_entry_parses_through_the_hook(installed, monkeypatch):
+    """Up to core_v0.17, ``initialize_megatron`` (what ``pretrain`` runs for ``train_rl.py``)
+    calls the name it imported, positionally: ``parse_args(extra_args_provider,
+    ignore_unknown_args)``. From core_v0.18 ``train_rl.py`` calls
+    ``arguments.parse_and_validate_args(extra_args_provider=..., args_defaults={})``, which
+    calls the module's ``parse_args`` (its validation and global setup, which need a full
+    model config, are not what this test is about: replaced)."""
     import megatron.rl.rl_utils  # noqa: F401
-    from megatron.training import initialize
+    from megatron.training import arguments, initialize
 
     def user(parser):
         parser.add_argument("--my-flag", type=int, default=7)
         return parser
 
-    old = sys.argv
-    sys.argv = ["train_rl.py", "--use-ess-lr", "--rl-partial-rollouts", "--my-flag", "3"]
-    try:
+    argv = ["train_rl.py", "--perform-rl-step", "--use-ess-lr", "--rl-partial-rollouts"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--my-flag", "3"])
+    if hasattr(initialize, "parse_args"):
         args = initialize.parse_args(user, False)
-    finally:
-        sys.argv = old
+    else:
+        seen = []
+        monkeypatch.setattr(arguments, "validate_args", lambda a, d=None: seen.append(a))
+        monkeypatch.setattr(arguments, "set_global_variables", lambda a, *_, **__: None)
+        args = arguments.parse_and_validate_args(extra_args_provider=user, args_defaults={})
+        assert seen == [args]
     assert args.use_ess_lr and args.my_flag == 3 and args.ess_lr_floor is None  # not given
+    with pytest.raises(ValueError, match="--rl-inference-logprobs-is-correction"):
+        monkeypatch.setattr(sys, "argv", argv[:3])
+        if hasattr(initialize, "parse_args"):
+            initialize.parse_args(user, False)
+        else:
+            arguments.parse_and_validate_args(extra_args_provider=user, args_defaults={})
 
 
 def test_no_inference_logprobs_is_a_startup_error(installed):
@@ -497,19 +563,33 @@ def test_bad_floor_is_rejected_by_the_parser(installed, capsys):
     assert "must be in (0, 1]" in capsys.readouterr().err
 
 
-def test_parse_args_outside_megatron_rl_is_untouched(installed, monkeypatch):
-    """miles and slime call the same Megatron parse_args: no megatron.rl, no RL rule."""
+def test_a_miles_or_slime_parse_on_a_tree_with_megatron_rl_is_theirs_to_validate(installed):
+    """miles and slime call the same Megatron ``parse_args`` (``megatron.rl.rl_utils`` is
+    imported: ``megatron.training.training`` imports it) with a provider that declares
+    ``--use-ess-lr`` itself; without ``--perform-rl-step`` no Megatron-RL rule applies."""
     import megatron.rl.rl_utils  # noqa: F401
-    from megatron.training import arguments
 
-    monkeypatch.delitem(sys.modules, "megatron.rl.rl_utils")
-    old = sys.argv
-    sys.argv = ["train.py", "--use-ess-lr"]
-    try:
-        with pytest.raises(SystemExit):  # not even our flags: the host framework adds its own
-            arguments.parse_args()
-    finally:
-        sys.argv = old
+    def framework(parser):  # what miles' / slime's own parse composes in
+        parser.add_argument("--use-ess-lr", action="store_true", default=False)
+        parser.add_argument("--rollout-batch-size", type=int, default=4)
+        return parser
+
+    # Megatron-RL would refuse this (no inference log-probs kept): not applied here
+    args = _parse(["--use-ess-lr", "--rollout-batch-size", "8"], framework, rl=False)
+    assert args.use_ess_lr and args.rollout_batch_size == 8 and args.ess_lr_floor is None
+    with pytest.raises(ValueError, match="--rl-inference-logprobs-is-correction"):
+        _parse(["--use-ess-lr"], framework)  # the same parse with --perform-rl-step: ours
+
+
+def test_use_ess_lr_on_a_plain_megatron_parse_is_refused(installed):
+    """No ``--perform-rl-step`` and no framework that declared the flag: nothing would measure
+    the ESS, so the run must not start believing it is on."""
+    with pytest.raises(ValueError, match=r"not a Megatron-RL run \(no --perform-rl-step\)"):
+        _parse(["--use-ess-lr", "--rl-inference-logprobs-is-correction"], rl=False)
+    with pytest.raises(ValueError, match="--perform-rl-step"):
+        _parse(["--ess-lr-shadow"], rl=False)
+    plain = _parse([], rl=False)  # off: a plain pretraining parse is untouched
+    assert plain.use_ess_lr is False and not plain.perform_rl_step
 
 
 @pytest.mark.skipif(VENDORED, reason="a patched tree always has the flags (vendored mode)")
@@ -523,23 +603,63 @@ def test_uninstalled_parser_has_no_flags():
         _parse(["--use-ess-lr"])
 
 
-def _group_stats() -> SimpleNamespace:
-    """What ``maybe_log_training_metrics`` reads of a collection's ``RolloutStats``."""
-    stats = dict(
-        reward_means=[0.5, 0.25],
-        reward_stds=[0.1, 0.2],
-        rewards=[0.5, 0.25],
-        advantages=[0.3, -0.3],
-        mean_length=12.0,
-        mean_length_std=1.0,
-        max_length=13,
-        min_length=11,
-        mean_reward=0.5,
-        mean_sim=0.0,  # read by the miles-main fork (2e64d788b), not by core_v0.16.1
-    )
+def _group_stats(grouped: bool, per_token: bool = False) -> SimpleNamespace:
+    """What ``maybe_log_training_metrics`` reads of a collection's ``RolloutStats``: flat up to
+    core_v0.16, grouped per prompt (with turn and staleness fields) from core_v0.17, the
+    staleness per token (``per_token``) from core_v0.18."""
+    if grouped:
+        epochs = [[[1, 2], [1, 2]]] if per_token else [[1, 2]]
+        stats = dict(
+            rewards=[[0.5, 0.5]],
+            env_ids=["env"],
+            turn_lens=[[12, 11]],
+            traj_lens=[[12, 11]],
+            num_turns=[[1, 1]],
+            advantages=[0.3, -0.3],
+            policy_epoch=epochs,
+            kv_cache_epoch=epochs,
+            completed_epochs=[[2, 2]],
+            num_evictions=[[0, 0]],
+        )
+    else:
+        stats = dict(
+            reward_means=[0.5, 0.25],
+            reward_stds=[0.1, 0.2],
+            rewards=[0.5, 0.25],
+            advantages=[0.3, -0.3],
+            mean_length=12.0,
+            mean_length_std=1.0,
+            max_length=13,
+            min_length=11,
+            mean_reward=0.5,
+            mean_sim=0.0,  # read by the miles-main fork (2e64d788b), not by core_v0.16.1
+        )
     for kind in ("piold_to_inf_prob", "inf_train_prob_abs_diff", "inf_prob"):
         stats.update({f"{m}_{kind}": 1.0 for m in ("min", "max", "mean")})
     return SimpleNamespace(**stats)
+
+
+def _log_training_metrics(rl_utils, step: int, wandb_run, writer) -> None:
+    """The real ``maybe_log_training_metrics`` with these writers, as the release takes them:
+    as arguments (up to core_v0.16), else as Megatron's global writers."""
+    import inspect
+
+    from megatron.training import global_vars
+
+    if "wandb_writer" in inspect.signature(rl_utils.maybe_log_training_metrics).parameters:
+        rl_utils.maybe_log_training_metrics(_group_stats(False), step, None, [], wandb_run, writer)
+        return
+    per_token = "per_token" in inspect.getsource(rl_utils.prep_wandb_metrics)
+    global_vars._GLOBAL_WANDB_WRITER, global_vars._GLOBAL_TENSORBOARD_WRITER = wandb_run, writer
+    try:
+        stats = _group_stats(True, per_token)
+        if hasattr(rl_utils, "EpochSegment"):  # main: run-length epoch segments, statuses
+            segment = [rl_utils.EpochSegment(epoch=1, token_count=1)] * 2
+            stats.policy_epoch_segments = stats.kv_cache_epoch_segments = [[segment, segment]]
+            stats.rollout_statuses, stats.failure_reasons = [["ok", "ok"]], [[None, None]]
+        rl_utils.maybe_log_training_metrics(stats, step, None, {"env": []})
+    finally:
+        global_vars._GLOBAL_WANDB_WRITER = global_vars._GLOBAL_TENSORBOARD_WRITER = None
 
 
 class _WandbRun:
@@ -586,13 +706,13 @@ def rank_writers() -> dict:
     _install()
     log_dir = Path(tempfile.mkdtemp()) / "tb"
     writer, wandb_run = SummaryWriter(log_dir=str(log_dir)), _WandbRun()
-    rl_utils.maybe_log_training_metrics(_group_stats(), 3, None, [], wandb_run, writer)
+    _log_training_metrics(rl_utils, 3, wandb_run, writer)
     result = EssLrResult(
         scale=0.5, rho=0.25, ess=2.0, num_trajectories=8, num_empty=0, num_nonfinite=0, status="ok"
     )
     ess_patch.arm(result)
     try:
-        rl_utils.maybe_log_training_metrics(_group_stats(), 4, None, [], wandb_run, writer)
+        _log_training_metrics(rl_utils, 4, wandb_run, writer)
     finally:
         ess_patch.disarm()
         ess_patch.uninstall()
@@ -668,6 +788,10 @@ def test_disabled_the_real_align_arms_nothing_and_changes_nothing(installed):
 
 
 def test_doctor_knows_megatron_rl(installed, monkeypatch):
+    """doctor lists the targets and the shape this tree has (which writers the metrics go to),
+    and names a missing hooked function with the supported range."""
+    import inspect
+
     from megatron.rl import rl_utils
 
     from ess_patch.doctor import collect
@@ -680,7 +804,13 @@ def test_doctor_knows_megatron_rl(installed, monkeypatch):
     lines = report.sections[section]
     state = "vendored diff applied" if VENDORED else "wrapped by install() in this process"
     for target in INTEGRATIONS["megatron_rl"].targets:
+        if not target.required and any(line.startswith(f"-- {target.path}:") for line in lines):
+            continue  # an optional site this release lacks (initialize.parse_args from 0.18)
         assert any(line.startswith(f"ok {target.path}: {state}") for line in lines), target.path
+    shape = next(line for line in lines if line.startswith("shape: megatron_rl: "))
+    writers = "maybe_log_training_metrics(wandb_writer" in shape
+    params = inspect.signature(rl_utils.maybe_log_training_metrics).parameters
+    assert writers == ("wandb_writer" in params)  # else Megatron's global writers
     assert not [p for p in report.problems if "megatron.rl" in p or "megatron.training" in p]
     # a host without a hooked function is a problem naming it and the supported range
     monkeypatch.delattr(rl_utils, "maybe_log_training_metrics")
@@ -689,3 +819,41 @@ def test_doctor_knows_megatron_rl(installed, monkeypatch):
         " ".join(problems)
     )
     assert "core_v0.16" in " ".join(problems)
+
+
+def test_megatron_core_is_the_trees_own():
+    """The tree runs beside the megatron-core of its own release (its megatron/rl imports what
+    older cores lack; test_megatron_lm_snapshots.py puts that one first on PYTHONPATH)."""
+    from megatron.core import package_info
+    from megatron_versions import ENV_VERSION, core_version_for, installed_core
+
+    expected = os.environ.get(ENV_VERSION)
+    if expected is None:
+        try:
+            expected = core_version_for(Path(SRC))
+        except ValueError:  # a copy under another name (vendored mode): the environment's own
+            expected = installed_core()
+    assert package_info.__version__ == expected
+
+
+def test_scored_positions_by_hand():
+    """Which log-prob positions count, hand-computed: the i-th inference log-prob scores the
+    i-th generated token (log-prob one position earlier), across main's multi-region rows; a
+    padded packed row loses only a final eod that reads as padding."""
+    from ess_patch.integrations.megatron_rl import _padded_count, _scored
+
+    #            positions: 0  1  2  3  4  5  6  7
+    gen = torch.tensor([0, 1, 1, 0, 0, 1, 1, 1], dtype=torch.bool)  # two turns, eod at 7
+    assert _scored(gen, 4, 0, 7).tolist() == [0, 1, 4, 5]  # the eod (7 -> 6) unscored
+    assert _scored(gen, 5, 0, 7).tolist() == [0, 1, 4, 5, 6]
+    assert _scored(gen, 4, 10, 17).tolist() == [10, 11, 14, 15]  # in a packed bin at 10
+    assert _scored(gen, 0, 0, 7).tolist() == []
+    tokens = torch.tensor([3, 7, 8, 4, 4, 9, 9, EOD])
+    padded = torch.tensor([-0.5, -0.25, -1.0, -2.0, 0.0, 0.0, 0.0, 0.0])
+    assert _padded_count(gen, tokens, padded, EOD) == 4  # the final eod reads as padding
+    reported = padded.clone()
+    reported[4] = -0.125  # the engine scored the eod: it counts
+    assert _padded_count(gen, tokens, reported, EOD) == 5
+    assert _padded_count(gen, torch.tensor([3, 7, 8, 4, 4, 9, 9, 9]), padded, EOD) == 5
+    assert _padded_count(gen, tokens, torch.zeros(8), EOD) == 0  # an all-pad row
+    assert _padded_count(torch.zeros(8, dtype=torch.bool), tokens, padded, EOD) == 0

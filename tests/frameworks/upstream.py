@@ -197,18 +197,23 @@ def megatron_lm_snapshots() -> list[Path]:
 
 
 def run_pytest(
-    test_file: Path, env: dict[str, str], cwd: Path, timeout: float = 900
+    test_file: Path,
+    env: dict[str, str],
+    cwd: Path,
+    timeout: float = 900,
+    extra_args: Sequence[str] = (),
 ) -> tuple[set[str], list[tuple[str, str]], str]:
     """Run one test file in a fresh interpreter (its own ``sys.modules`` and ``sys.path``):
     the names of the tests that passed, ``(name, skip message)`` of those skipped, and the
-    output's tail. Fails the caller's test when the run fails."""
+    output's tail. Fails the caller's test when the run fails. ``extra_args`` go to pytest
+    (e.g. ``-k``)."""
     import subprocess
     import xml.etree.ElementTree as ET
 
     report = cwd / f"{test_file.stem}-report.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
     cmd += ["-p", "no:randomly", "--rootdir", str(Path(__file__).resolve().parents[2])]
-    cmd += [f"--junitxml={report}", str(test_file)]
+    cmd += [*extra_args, f"--junitxml={report}", str(test_file)]
     result = subprocess.run(
         cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
