@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import zlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -248,7 +250,10 @@ def compute_ess_lr_steps(
     Raises:
         everything :func:`compute_ess_lr` raises, on the same ranks; ValueError / TypeError
             for malformed ``steps`` (index out of range, not ints) on that rank, and on
-            every rank when the ranks' step counts differ.
+            every rank when the ranks' step counts differ, or CP peers split their (shared)
+            trajectories into steps differently.
+        ConfigMismatchError: on every rank, when a peer called :func:`compute_ess_lr` for the
+            same rollout (the two granularities never meet silently).
     """
     config = _check_config(config)
     summaries = _reduce(
@@ -395,6 +400,15 @@ def _reduce_table(
     cp_size = group_size(cp_group, "CP")
     dp_size = group_size(dp_group, "DP")
     origin = None if error is None else origin_rank(error)
+    # The envelopes say which API this rank runs (one result per rollout or per step), so that
+    # peers on different ones all raise ConfigMismatchError at their first exchange instead
+    # of one returning a scale over part of the batch.
+    granularity = "step" if per_step else "rollout"
+    declared = (  # None: this rank's config was not an EssLrConfig (it fails in the envelope)
+        config
+        if config is None or config.granularity == granularity
+        else dataclasses.replace(config, granularity=granularity)
+    )
     fault: Exception | None = None
     if cp_size > 1:
         envelopes = exchange_envelopes(
@@ -403,12 +417,16 @@ def _reduce_table(
                 origin=origin,
                 missing=missing,
                 rows=-1 if stats is None else stats.shape[0],
-                config=config,
+                config=declared,
             ),
             cp_group,
             "CP",
         )
         fault = check_envelopes(envelopes, "CP", same_rows=True)
+        if per_step and error is None and fault is None:
+            # every CP peer is here (same API, nobody failed): they must split alike
+            assert step_lists is not None
+            fault = _check_cp_steps(step_lists, cp_group)
         if error is None and fault is None:
             assert stats is not None
             stats = all_reduce_trajectory_stats(stats, cp_group)
@@ -423,7 +441,10 @@ def _reduce_table(
         # rollout granularity's one DP gather (summary, envelope), so that a rank running the
         # other granularity meets the same sizes and both raise ConfigMismatchError.
         count = envelope(
-            failed=failed, rows=-1 if step_lists is None else len(step_lists), config=config
+            failed=failed,
+            origin=origin,
+            rows=-1 if step_lists is None else len(step_lists),
+            config=declared,
         )
         rows = all_gather_rows(
             torch.cat([torch.zeros(estimator.SUMMARY_SIZE, dtype=torch.float64), count]),
@@ -450,7 +471,7 @@ def _reduce_table(
             local = summary[0]
         rows = all_gather_rows(
             torch.cat(
-                [local, envelope(failed=failed, config=config, origin=origin).to(local.device)]
+                [local, envelope(failed=failed, config=declared, origin=origin).to(local.device)]
             ),
             dp_group,
             "DP",
@@ -468,6 +489,28 @@ def _reduce_table(
         raise fault
     assert summaries is not None
     return summaries
+
+
+def _check_cp_steps(step_lists: list[list[int]], cp_group: object) -> Exception | None:
+    """CP peers hold chunks of the same trajectories: they must put each one in the same
+    optimizer step. One small gather of (step count, checksum of the split); the error, the
+    same on every peer, or None."""
+    code = float(zlib.crc32(repr(step_lists).encode()))  # < 2**32: exact in float64
+    rows = all_gather_rows(
+        torch.tensor([float(len(step_lists)), code], dtype=torch.float64), cp_group, "CP"
+    ).tolist()
+    if len({tuple(r) for r in rows}) <= 1:
+        return None
+    ranks = dist.get_process_group_ranks(cp_group)
+    detail = ", ".join(
+        f"rank {rank}: {int(r[0])} steps (split {int(r[1]):08x})"
+        for rank, r in zip(ranks, rows, strict=True)
+    )
+    return ValueError(
+        f"the CP ranks split their trajectories into optimizer steps differently ({detail}); "
+        "CP peers hold chunks of the same samples and must pass the same steps (the same "
+        "indices in the same order)"
+    )
 
 
 _DEFAULT_CONFIG = EssLrConfig()  # frozen: built once, not at every call (~10 us of checks)

@@ -178,10 +178,16 @@ def check_envelopes(
             f"{field}: " + ", ".join(f"rank {rank} {d[field]!r}" for rank, d in described.items())
             for field in differing
         )
+        hint = (
+            " (granularity: compute_ess_lr gives one result per rollout, compute_ess_lr_steps "
+            "one per optimizer step; every rank must call the same one)"
+            if "granularity" in differing
+            else ""
+        )
         return ConfigMismatchError(
             f"ESS-LR settings differ between the ranks of the {name} group ({detail}); every "
             "rank must use the same --ess-lr-* flags / EssLrConfig, or ranks would train with "
-            "different LR scales"
+            f"different LR scales{hint}"
         )
     if same_rows and len({int(r[_ROWS]) for r in rows}) > 1:
         counts = ", ".join(

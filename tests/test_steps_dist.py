@@ -62,10 +62,12 @@ def rank_steps(seed, *, fault=None, faulty_rank=None):
             config = dataclasses.replace(config, granularity="rollout")
         elif me and fault == "count":
             my_steps = [*steps, []]
+        elif me and fault == "split":  # the same number of steps, two of them swapped
+            my_steps = [steps[1], steps[0], *steps[2:]]
         with CollectiveCounter() as counter:
             results, error = None, None
             # a rank on the other granularity takes the other path, as the hook would
-            rollout = config.granularity == "rollout"
+            rollout = config.granularity == "rollout" or (me and fault == "api")
             groups = {"cp_group": lay.cp_group, "dp_group": lay.dp_group}
             try:
                 if lay.is_pp_last and rollout:
@@ -122,8 +124,8 @@ def test_every_step_matches_the_reference_on_every_rank(tmp_path, dp, cp, pp):
         for rank, r in enumerate(results):
             is_last = rank // (dp * cp) == pp - 1  # megatron orders ranks tp-cp-dp-pp
             want = []
-            if is_last and cp > 1:
-                want += ["all_gather", "all_reduce"]
+            if is_last and cp > 1:  # envelopes, the step split, the table
+                want += ["all_gather", "all_gather", "all_reduce"]
             if is_last and dp > 1:
                 want += ["all_gather", "all_gather"]
             if pp > 1:
@@ -170,3 +172,31 @@ def test_a_last_stage_fault_reaches_the_other_pipeline_stage(tmp_path, fault, er
     kinds = [r[("product", 3.0)]["results"]["error"] for r in results]
     assert kinds[2:] == [error, error]  # the last stage: the step counts / the settings
     assert kinds[:2] == ["InvalidInputsElsewhereError"] * 2  # the first stage learns it failed
+
+
+@pytest.mark.parametrize(
+    ("dp", "cp", "fault", "error", "message"),
+    [
+        # a peer on the other API, with the very same settings (granularity "step")
+        (2, 1, "api", "ConfigMismatchError", "granularity: rank 0 'step', rank 1 'rollout'"),
+        (1, 2, "api", "ConfigMismatchError", "every rank must call the same one"),
+        # CP peers hold the same samples: the step count and the split must agree too
+        (1, 2, "count", "ValueError", "rank 0: 4 steps"),
+        (1, 2, "split", "ValueError", "split their trajectories into optimizer steps differently"),
+    ],
+    ids=["dp2-api", "cp2-api", "cp2-count", "cp2-split"],
+)
+def test_peers_that_disagree_on_the_api_or_the_steps_all_raise(
+    tmp_path, dp, cp, fault, error, message
+):
+    results = run_ranks(
+        rank_steps,
+        dp=dp,
+        cp=cp,
+        args=(11,),
+        kwargs={"fault": fault, "faulty_rank": 1},
+        tmp_path=tmp_path,
+    )
+    for r in results:
+        got = r[("product", 3.0)]["results"]
+        assert isinstance(got, dict) and got["error"] == error and message in got["message"], got
