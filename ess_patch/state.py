@@ -111,7 +111,7 @@ def arm(result_or_scale: EssLrResult | float) -> EssLrResult:
         result = result_or_scale
     else:
         result = EssLrResult.from_scale(result_or_scale)
-    _check_something_applies()
+    check_something_applies()
     _drop_steps()
     STATE.armed = result
     logger.debug(
@@ -126,7 +126,9 @@ def note_applier() -> None:
     STATE.applied_elsewhere = True
 
 
-def _check_something_applies() -> None:
+def check_something_applies() -> None:
+    """Warn once (or raise, after a failed auto-install) when nothing in this process would
+    apply an armed scale: :func:`arm`, and a rollout measured inside the loss, call it."""
     # Nothing reads STATE.armed unless install() wrapped something, an optimizer was
     # attached, or a vendored tree decorated its optimizer steps: say so, once.
     # install() sets config and uninstall() clears it: config is set while install() is in effect

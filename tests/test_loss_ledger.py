@@ -151,3 +151,20 @@ def test_shadow_mode_keeps_each_steps_result_and_changes_no_lr():
     assert lrs == [0.1, 0.05] and STATE.armed is None
     assert ref["scale"] < 0.9
     assert STATE.shadow.scale == pytest.approx(ref["scale"], rel=1e-12)
+
+
+def test_shadow_mode_with_several_steps_is_refused_naming_shadow_and_never_stops_a_run():
+    reason = "--keep-old-actor computes log_probs with the old actor's weights"
+    shadow = Namespace(num_steps_per_rollout=2, ess_lr_shadow=True)
+    assert "drop --ess-lr-shadow" in steps_per_rollout_refusal(shadow, reason)
+    # step count unknown at parse time: the second step logs its own result, changes no LR
+    args = Namespace(loss_type="policy_loss")
+    set_step_source(LedgerSource("slime", args, ONE_RANK, CONFIG, "x", shadow=True))
+    optimizer = _Optimizer()
+    for seed in (6, 7):
+        lp, rlp, masks = _samples(seed, 4)
+        ledger_add(trajectory_stats(lp, rlp, masks))
+        [lrs] = _step(optimizer)
+        ref = reference_ess(lp, rlp, masks, mode="product")
+        assert lrs == [0.1, 0.05] and STATE.armed is None
+        assert STATE.shadow.scale == pytest.approx(ref["scale"], rel=1e-12)

@@ -35,7 +35,7 @@ from ..patching import Target
 from ..result import EssLrResult
 from ..state import STATE, StepCountError, ledger_add, ledger_fail, ledger_take
 from .binding import bind
-from .rl_hooks import Groups, config_from_args
+from .rl_hooks import Groups, config_from_args, shadow_requested
 
 __all__ = [
     "LedgerSource",
@@ -79,7 +79,16 @@ class LedgerSource:
             ledger_take()
             return None
         self.steps += 1
-        if self.steps > 1 and self.config.granularity != "step":
+        if self.steps == 2 and self.shadow and self.config.granularity != "step":
+            # shadow mode never changes an LR: say what the logs hold instead of stopping a run
+            logger.warning(
+                "ess-patch (%s): shadow mode measures this run inside the policy loss (%s), "
+                "and this rollout has more than one optimizer step: the logged results are per "
+                "optimizer step, not one per rollout",
+                self.framework,
+                self.reason,
+            )
+        elif self.steps > 1 and self.config.granularity != "step":
             # every rank enters its n-th step together: all raise here, before any collective
             raise StepCountError(
                 f"ess-patch ({self.framework}): ESS-LR measures this run inside the policy loss "
@@ -289,6 +298,13 @@ def steps_per_rollout_refusal(args: Any, reason: str | None) -> str | None:
     steps = steps_per_rollout(args)
     if steps is None or steps <= 1:
         return None  # one step: step == rollout (more is refused at the second step)
+    if shadow_requested(args) and not getattr(args, "use_ess_lr", False):
+        return (
+            f"{reason} and this run has {steps} optimizer steps per rollout: ESS-LR then "
+            "measures inside the policy loss, one ESS per optimizer step, and shadow mode "
+            "logs one per rollout; drop --ess-lr-shadow (or use --use-ess-lr with "
+            "--ess-lr-granularity step)"
+        )
     return (
         f"{reason} and this run has {steps} optimizer steps per rollout: ESS-LR then measures "
         "inside the policy loss, one ESS per optimizer step, never one per rollout; set "

@@ -17,7 +17,16 @@ from typing import Any, NamedTuple
 
 from ..patching import MissingTargetError, Target
 from ..result import EssLrResult
-from ..state import STATE, arm, arm_steps, armed, disarm, set_role, set_step_source
+from ..state import (
+    STATE,
+    arm,
+    arm_steps,
+    armed,
+    check_something_applies,
+    disarm,
+    set_role,
+    set_step_source,
+)
 from .binding import bind, call_with
 from .flags import add_ess_arguments, compose_custom_arguments, config_from_args, shadow_requested
 from .shapes import History
@@ -251,6 +260,8 @@ def _start_ledger(
         return False
     from .loss_ledger import LedgerSource
 
+    if not shadow:  # what arm() says when nothing would apply the step's scale
+        check_something_applies()
     source = LedgerSource(framework.name, args, groups, config_from_args(args), reason, shadow)
     set_step_source(source)
     logger.debug("ess-patch (%s): measuring inside the policy loss: %s", framework.name, reason)
