@@ -131,8 +131,9 @@ def _ess_options() -> list[tuple[tuple[str, ...], dict[str, Any]]]:
         {
             "action": "store_true",
             "default": False,
-            "help": "Scale each policy update's LR by clamp(sqrt(ESS/B), floor, 1), ESS from the "
-            "train/rollout log-prob ratios of the rollout (ess-patch). Off by default.",
+            "help": "Scale each policy update's LR by clamp(rule(rho / base ratio), floor, 1), "
+            "rho = ESS/B of the current-vs-rollout log-prob ratios (--ess-lr-rule: sqrt by "
+            "default; ess-patch). Off by default.",
         },
     )
     return [enable, *config_options()]
