@@ -543,7 +543,7 @@ def test_no_inference_logprobs_is_a_startup_error(installed):
 def test_shadow_flag_is_parsed_and_checked_like_use_ess_lr(installed):
     args = _parse(["--ess-lr-shadow", "--rl-inference-logprobs-is-correction"])
     assert args.ess_lr_shadow is True and args.use_ess_lr is False
-    with pytest.raises(ValueError, match=r"--ess-lr-shadow needs.*inference-logprobs"):
+    with pytest.raises(ValueError, match=r"--ess-lr-shadow cannot measure.*inference-logprobs"):
         _parse(["--ess-lr-shadow"])
     with pytest.raises(ValueError, match="are both on"):
         _parse(["--use-ess-lr", "--ess-lr-shadow", "--rl-inference-logprobs-is-correction"])
