@@ -226,6 +226,33 @@ def removal_errors(fw: str) -> list[dict]:
     return out
 
 
+def loss_hooks(fw: str) -> dict[str, bool]:
+    """Whether the policy loss the train loop calls, and the ``get_log_probs_and_entropy`` it
+    looks up, are ess-patch's wrappers (the loss ledger measures there) in this snapshot."""
+    from ess_patch.patching import is_ours
+
+    candidates = (
+        ("miles.backends.training_utils.loss_hub.losses", "miles.backends.training_utils.loss")
+        if fw == "miles"
+        else ("slime.backends.megatron_utils.loss",)
+    )
+    for name in candidates:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        loss = getattr(module, "policy_loss_function", None)
+        if loss is None:
+            continue
+        # the name the loss body resolves at call time: its own module's global
+        looked_up = loss.__wrapped__.__globals__.get("get_log_probs_and_entropy")
+        return {
+            "policy_loss_function": is_ours(loss),
+            "get_log_probs_and_entropy": is_ours(looked_up),
+        }
+    return {}
+
+
 def main(fw: str, folder: str, out_path: str) -> None:
     use_snapshot(fw, folder, "full")
     report: dict = {}
@@ -240,6 +267,7 @@ def main(fw: str, folder: str, out_path: str) -> None:
         importlib.import_module(f"{fw}.backends.{loss}")
         importlib.import_module(f"{fw}.backends.megatron_utils.model")
         report["shapes"] = installed_shapes()[fw]
+        report["loss_hooks"] = loss_hooks(fw)
         report["targets"] = ess_patch.installed_targets()
         report["metrics"] = miles_metrics() if fw == "miles" else slime_metrics()
         report["parse"] = parse_checks(fw)

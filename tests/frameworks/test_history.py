@@ -131,6 +131,13 @@ def test_each_snapshot_gets_its_shape_metrics_flags_and_clear_errors(fw, folder,
         assert shapes.endswith(f"metrics via {log_module}.log"), shapes
         assert f"{log_module}.log" in report["targets"]
 
+    # the loss ledger's hooks sit where this snapshot's train loop calls them (slime's one-step
+    # reuse and --keep-old-actor are measured there)
+    assert report["loss_hooks"] == {
+        "policy_loss_function": True,
+        "get_log_probs_and_entropy": True,
+    }, report["loss_hooks"]
+
     # the metrics through the real train-step log function
     metrics = report["metrics"]
     if fw == "miles":
