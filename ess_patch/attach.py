@@ -11,9 +11,10 @@ from typing import Any
 
 import wrapt
 
+from .ledger import begin_step
 from .lr import scaled_lr, step_wrapper
 from .patching import is_ours
-from .state import STATE, begin_step, note_applier
+from .state import STATE, note_applier
 
 __all__ = ["attach", "detach"]
 
@@ -104,7 +105,7 @@ def _restore_pending(optimizer: Any) -> None:
 def _pre_step(optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     # A step that raised skipped its post-hook: put its LRs back before anything else.
     _restore_pending(optimizer)
-    if STATE.armed is None:
+    if STATE.armed is None and STATE.ledger_run is None:
         return None
     scale = begin_step(optimizer)
     if scale is None or scale == 1.0:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import zlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -17,7 +15,6 @@ from .reduction import (
     all_reduce_trajectory_stats,
     any_missing,
     check_envelopes,
-    check_step_counts,
     envelope,
     exchange_envelopes,
     group_size,
@@ -25,7 +22,7 @@ from .reduction import (
 )
 from .result import ENCODED_SIZE, EssLrResult
 
-__all__ = ["compute_ess_lr", "compute_ess_lr_from_stats", "compute_ess_lr_steps"]
+__all__ = ["compute_ess_lr", "compute_ess_lr_from_stats"]
 
 
 @torch.no_grad()  # log-probs that require grad must not grow an autograd graph here
@@ -95,6 +92,11 @@ def compute_ess_lr(
         TypeError: ``config`` is not an EssLrConfig (on that rank; its peers raise
             InvalidInputsElsewhereError).
 
+    A rollout is one step that holds every trajectory. For one scale per optimizer step
+    (granularity ``"step"``, VCPO's), call this once per step over the samples that step
+    trains on, on every rank, and ``arm`` its result before that step; ``install()``'s
+    integrations do so inside the policy loss.
+
     Without ``pp_group``, only the ranks of one pipeline stage meet here: the README's
     lower-level pattern (the last stage calls this, every stage then calls
     :func:`~ess_patch.reduction.broadcast_from_last_stage` with ``error=`` what this raised)
@@ -139,7 +141,6 @@ def _rollout_result(
     already has; it still joins every collective, flagged)."""
     summaries = _reduce(
         *inputs,
-        None,
         config=config,  # type: ignore[arg-type]  # None only with an error: never read
         cp_group=cp_group,
         dp_group=dp_group,
@@ -147,7 +148,7 @@ def _rollout_result(
         error=error,
     )
     assert config is not None
-    return estimator.finalize(estimator.combine(summaries[:, 0]), config)
+    return estimator.finalize(estimator.combine(summaries), config)
 
 
 def _across_stages(
@@ -224,55 +225,6 @@ def _check_unused_inputs(
 
 
 @torch.no_grad()
-def compute_ess_lr_steps(
-    log_probs: Sequence[torch.Tensor] | None,
-    rollout_log_probs: Sequence[torch.Tensor] | None,
-    loss_masks: Sequence[torch.Tensor] | None,
-    steps: Sequence[Sequence[int]] | Callable[[], Sequence[Sequence[int]]],
-    *,
-    config: EssLrConfig | None = None,
-    cp_group: object | None = None,
-    dp_group: object | None = None,
-    prepare_masks: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] | None = None,
-) -> list[EssLrResult]:
-    """One result per optimizer step (granularity ``"step"``), identical on every rank.
-
-    ``steps[s]`` lists the indices (into this rank's trajectories) of the samples optimizer
-    step ``s`` trains on (or ``steps`` is a zero-argument callable returning them, called
-    under the same error handling as the inputs, so that a failure to split reaches every
-    rank); result ``s`` is the ESS over those samples of every rank, as
-    :func:`compute_ess_lr` would give for them alone. A trajectory in no step counts nowhere.
-    Every rank passes the same number of steps (its own samples of each; a step may hold
-    none on a rank). The collectives are those of :func:`compute_ess_lr` for every step at
-    once: the CP table once, and, when DP > 1, an all-gather of the envelopes (with the step
-    counts) then one of the ``[steps x summary]`` rows.
-
-    Raises:
-        everything :func:`compute_ess_lr` raises, on the same ranks; ValueError / TypeError
-            for malformed ``steps`` (index out of range, not ints) on that rank, and on
-            every rank when the ranks' step counts differ, or CP peers split their (shared)
-            trajectories into steps differently.
-        ConfigMismatchError: on every rank, when a peer called :func:`compute_ess_lr` for the
-            same rollout (the two granularities never meet silently).
-    """
-    config = _check_config(config)
-    summaries = _reduce(
-        log_probs,
-        rollout_log_probs,
-        loss_masks,
-        steps,
-        config=config,
-        cp_group=cp_group,
-        dp_group=dp_group,
-        prepare_masks=prepare_masks,
-    )
-    return [
-        estimator.finalize(estimator.combine(summaries[:, s]), config)
-        for s in range(summaries.shape[1])
-    ]
-
-
-@torch.no_grad()
 def compute_ess_lr_from_stats(
     trajectory_stats: torch.Tensor | None,
     *,
@@ -319,22 +271,19 @@ def compute_ess_lr_from_stats(
         raise error
     summaries = _reduce_table(
         None if error is not None else trajectory_stats,
-        None,
         missing=False,
         error=error,
         config=config,
         cp_group=cp_group,
         dp_group=dp_group,
-        per_step=False,
     )
-    return estimator.finalize(estimator.combine(summaries[:, 0]), config)
+    return estimator.finalize(estimator.combine(summaries), config)
 
 
 def _reduce(
     log_probs: Sequence[torch.Tensor] | None,
     rollout_log_probs: Sequence[torch.Tensor] | None,
     loss_masks: Sequence[torch.Tensor] | None,
-    steps: Sequence[Sequence[int]] | Callable[[], Sequence[Sequence[int]]] | None,
     *,
     config: EssLrConfig,
     cp_group: object | None,
@@ -342,91 +291,62 @@ def _reduce(
     prepare_masks: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] | None,
     error: BaseException | None = None,
 ) -> torch.Tensor:
-    """Every DP rank's summary rows, ``[DP, S, SUMMARY_SIZE]`` (S = 1 when ``steps`` is None:
-    all trajectories), or the error every rank must raise. ``error``: a fault this rank
-    already has (raised at once in a single process; else it joins every collective flagged,
-    naming the rank it came from, then re-raises it)."""
-    cp_size = group_size(cp_group, "CP")
-    dp_size = group_size(dp_group, "DP")
-    distributed = cp_size > 1 or dp_size > 1
+    """Every DP rank's summary row, ``[DP, SUMMARY_SIZE]``, or the error every rank must
+    raise. ``error``: a fault this rank already has (raised at once in a single process;
+    else it joins every collective flagged, naming the rank it came from, then re-raises it)."""
+    distributed = group_size(cp_group, "CP") > 1 or group_size(dp_group, "DP") > 1
     missing = log_probs is None or rollout_log_probs is None
     if error is not None and not distributed:
         raise error
     stats: torch.Tensor | None = None
-    step_lists: list[list[int]] | None = None
     try:
         if error is not None:
             raise error
         if prepare_masks is not None and loss_masks is not None:
             loss_masks = prepare_masks(loss_masks)
         if missing:
-            stats = _missing_table(log_probs, rollout_log_probs, loss_masks, cp_size)
+            stats = _missing_table(log_probs, rollout_log_probs, loss_masks, cp_group)
         else:
             if loss_masks is None:
                 raise ValueError("loss_masks is None but log-probs were given; pass the masks too")
             stats = estimator.trajectory_stats(log_probs, rollout_log_probs, loss_masks)
-        if steps is not None:
-            split = steps() if callable(steps) else steps
-            step_lists = estimator.validate_steps(split, stats.shape[0])
     except Exception as exc:
         if not distributed:
             raise
         error = exc  # still enter every collective, so that the peers fail with us
     return _reduce_table(
-        stats,
-        step_lists,
-        missing=missing,
-        error=error,
-        config=config,
-        cp_group=cp_group,
-        dp_group=dp_group,
-        per_step=steps is not None,
+        stats, missing=missing, error=error, config=config, cp_group=cp_group, dp_group=dp_group
     )
 
 
 def _reduce_table(
     stats: torch.Tensor | None,
-    step_lists: list[list[int]] | None,
     *,
     missing: bool,
     error: BaseException | None,
-    config: EssLrConfig,
+    config: EssLrConfig | None,
     cp_group: object | None,
     dp_group: object | None,
-    per_step: bool,
 ) -> torch.Tensor:
     """The collectives of :func:`_reduce` on a prepared ``[B, 3]`` trajectory table (None
-    with ``error`` set: this rank failed to prepare it, and still enters every collective)."""
-    cp_size = group_size(cp_group, "CP")
+    with ``error`` set: this rank failed to prepare it, and still enters every collective;
+    ``config`` None: this rank's config was not an EssLrConfig, it fails in the envelope)."""
     dp_size = group_size(dp_group, "DP")
     origin = None if error is None else origin_rank(error)
-    # The envelopes say which API this rank runs (one result per rollout or per step), so that
-    # peers on different ones all raise ConfigMismatchError at their first exchange instead
-    # of one returning a scale over part of the batch.
-    granularity = "step" if per_step else "rollout"
-    declared = (  # None: this rank's config was not an EssLrConfig (it fails in the envelope)
-        config
-        if config is None or config.granularity == granularity
-        else dataclasses.replace(config, granularity=granularity)
-    )
     fault: Exception | None = None
-    if cp_size > 1:
+    if group_size(cp_group, "CP") > 1:
         envelopes = exchange_envelopes(
             envelope(
                 failed=error is not None,
                 origin=origin,
                 missing=missing,
                 rows=-1 if stats is None else stats.shape[0],
-                config=declared,
+                config=config,
             ),
             cp_group,
             "CP",
         )
         fault = check_envelopes(envelopes, "CP", same_rows=True)
-        if per_step and error is None and fault is None:
-            # every CP peer is here (same API, nobody failed): they must split alike
-            assert step_lists is not None
-            fault = _check_cp_steps(step_lists, cp_group)
         if error is None and fault is None:
             assert stats is not None
             stats = all_reduce_trajectory_stats(stats, cp_group)
@@ -436,81 +356,32 @@ def _reduce_table(
         origin = origin_rank(fault)  # a CP peer's fault: DP peers learn whose it was
     # The data-parallel rank names the culprit identically on every CP peer of the batch.
     dp_rank = dist.get_rank(dp_group) if dp_size > 1 else 0
-    if per_step and dp_size > 1:
-        # The payload's size depends on the step count: agree on it first. Shaped like the
-        # rollout granularity's one DP gather (summary, envelope), so that a rank running the
-        # other granularity meets the same sizes and both raise ConfigMismatchError.
-        count = envelope(
-            failed=failed,
-            origin=origin,
-            rows=-1 if step_lists is None else len(step_lists),
-            config=declared,
-        )
-        rows = all_gather_rows(
-            torch.cat([torch.zeros(estimator.SUMMARY_SIZE, dtype=torch.float64), count]),
-            dp_group,
-            "DP",
-        )
-        if not failed:
-            fault = check_step_counts(rows[:, estimator.SUMMARY_SIZE :], "DP")
-            failed = fault is not None
-    summary: torch.Tensor | None = None  # [S, SUMMARY_SIZE]
+    summary = torch.zeros(estimator.SUMMARY_SIZE, dtype=torch.float64)
     if not failed and stats is not None:
+        assert config is not None
         flags = estimator.Flags(missing=missing)
-        if step_lists is None:
-            summary = estimator.summarize(stats, config, rank=dp_rank, flags=flags).unsqueeze(0)
-        else:
-            summary = estimator.summarize_steps(
-                stats, step_lists, config, rank=dp_rank, flags=flags
-            )
-    summaries = None if summary is None else summary.unsqueeze(0)
-    if dp_size > 1 and not per_step:
-        # one all-gather: the summary with this rank's envelope (zeros from a failed rank)
-        local = torch.zeros(estimator.SUMMARY_SIZE, dtype=torch.float64)
-        if summary is not None:
-            local = summary[0]
-        rows = all_gather_rows(
-            torch.cat(
-                [local, envelope(failed=failed, config=declared, origin=origin).to(local.device)]
-            ),
-            dp_group,
-            "DP",
-        )
-        if not failed:
-            fault = check_envelopes(rows[:, estimator.SUMMARY_SIZE :], "DP")
-        summaries = rows[:, : estimator.SUMMARY_SIZE].unsqueeze(1)
-    elif dp_size > 1 and summary is not None and summary.shape[0]:
-        # steps: every rank gets here alike (the counts agreed, nobody failed)
-        rows = all_gather_rows(summary.reshape(-1), dp_group, "DP")
-        summaries = rows.reshape(dp_size, summary.shape[0], estimator.SUMMARY_SIZE)
+        summary = estimator.summarize(stats, config, rank=dp_rank, flags=flags)
+    if dp_size <= 1:
+        if error is not None:
+            raise error
+        if fault is not None:
+            raise fault
+        return summary.unsqueeze(0)
+    # one all-gather: the summary with this rank's envelope (zeros from a failed rank)
+    rows = all_gather_rows(
+        torch.cat(
+            [summary, envelope(failed=failed, config=config, origin=origin).to(summary.device)]
+        ),
+        dp_group,
+        "DP",
+    )
     if error is not None:
         raise error
+    if fault is None:
+        fault = check_envelopes(rows[:, estimator.SUMMARY_SIZE :], "DP")
     if fault is not None:
         raise fault
-    assert summaries is not None
-    return summaries
-
-
-def _check_cp_steps(step_lists: list[list[int]], cp_group: object) -> Exception | None:
-    """CP peers hold chunks of the same trajectories: they must put each one in the same
-    optimizer step. One small gather of (step count, checksum of the split); the error, the
-    same on every peer, or None."""
-    code = float(zlib.crc32(repr(step_lists).encode()))  # < 2**32: exact in float64
-    rows = all_gather_rows(
-        torch.tensor([float(len(step_lists)), code], dtype=torch.float64), cp_group, "CP"
-    ).tolist()
-    if len({tuple(r) for r in rows}) <= 1:
-        return None
-    ranks = dist.get_process_group_ranks(cp_group)
-    detail = ", ".join(
-        f"rank {rank}: {int(r[0])} steps (split {int(r[1]):08x})"
-        for rank, r in zip(ranks, rows, strict=True)
-    )
-    return ValueError(
-        f"the CP ranks split their trajectories into optimizer steps differently ({detail}); "
-        "CP peers hold chunks of the same samples and must pass the same steps (the same "
-        "indices in the same order)"
-    )
+    return rows[:, : estimator.SUMMARY_SIZE]
 
 
 _DEFAULT_CONFIG = EssLrConfig()  # frozen: built once, not at every call (~10 us of checks)
@@ -543,12 +414,12 @@ def _missing_table(
     log_probs: Sequence[torch.Tensor] | None,
     rollout_log_probs: Sequence[torch.Tensor] | None,
     loss_masks: Sequence[torch.Tensor] | None,
-    cp_size: int,
+    cp_group: object | None,
 ) -> torch.Tensor:
     """A zero table of the right height, so a rank with missing inputs can join the CP sum."""
     known = next((s for s in (loss_masks, log_probs, rollout_log_probs) if s is not None), None)
     if known is None:
-        if cp_size > 1:
+        if group_size(cp_group, "CP") > 1:
             raise ValueError(
                 "compute_ess_lr: all inputs are None on a rank of a CP group of size > 1; pass "
                 "loss_masks so that this rank joins its CP peers' reduction with the right size"

@@ -101,9 +101,9 @@ class EssLrConfig:
         },
     )
     #: "rollout" (default) or "step": see :data:`GRANULARITIES` (``--ess-lr-granularity``).
-    #: Read by the miles/slime integrations; with the library, "step" means calling
-    #: ``compute_ess_lr_steps`` and ``arm_steps`` (``compute_ess_lr`` reads every trajectory
-    #: it is given). In the fingerprint, so ranks that disagree all raise.
+    #: Read by the integrations (miles/slime: "step" is measured inside the policy loss); with
+    #: the library, "step" means calling ``compute_ess_lr`` once per optimizer step over that
+    #: step's samples. In the fingerprint, so ranks that disagree all raise.
     granularity: str = field(
         default="rollout",
         metadata={

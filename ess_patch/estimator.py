@@ -38,10 +38,8 @@ __all__ = [
     "combine",
     "finalize",
     "summarize",
-    "summarize_steps",
     "trajectory_stats",
     "validate_inputs",
-    "validate_steps",
 ]
 
 _ACC = torch.float64
@@ -375,64 +373,3 @@ def finalize(summary: torch.Tensor, config: EssLrConfig) -> EssLrResult:
     raw = math.sqrt(ratio) if config.rule == "sqrt" else ratio
     scale = min(1.0, max(config.floor, raw))
     return EssLrResult(scale=scale, rho=rho, ess=ess, num_trajectories=n_valid, num_empty=n_empty)
-
-
-def validate_steps(steps: Sequence[Sequence[int]], num_trajectories: int) -> list[list[int]]:
-    """``steps`` as lists of ints, or ``ValueError``/``TypeError`` naming the step and index.
-
-    ``steps[s]`` holds the indices (into this rank's trajectories) of the samples that
-    optimizer step ``s`` trains on; a step may hold none on this rank.
-    """
-    if isinstance(steps, torch.Tensor) or not isinstance(steps, Sequence):
-        raise TypeError(
-            "steps must be a sequence with one sequence of trajectory indices per optimizer "
-            f"step; got {type(steps).__name__}"
-        )
-    out = []
-    for s, indices in enumerate(steps):
-        if isinstance(indices, str | bytes) or not isinstance(indices, Sequence):
-            raise TypeError(
-                f"steps[{s}] is a {type(indices).__name__}; expected a sequence of trajectory "
-                "indices (ints)"
-            )
-        row = []
-        for item in indices:
-            try:  # ints, numpy / 0-dim torch integers (schedules may arrive as either)
-                i = operator.index(item)
-            except TypeError:
-                i = None
-            if i is None or isinstance(item, bool):
-                raise TypeError(f"steps[{s}] holds {item!r}; trajectory indices are ints")
-            if not 0 <= i < num_trajectories:
-                raise ValueError(
-                    f"steps[{s}] holds trajectory index {i}, but this rank has "
-                    f"{num_trajectories} trajectories (indices 0..{num_trajectories - 1})"
-                )
-            row.append(i)
-        out.append(row)
-    return out
-
-
-def summarize_steps(
-    stats: torch.Tensor,
-    steps: Sequence[Sequence[int]],
-    config: EssLrConfig,
-    *,
-    rank: int = 0,
-    flags: Flags | None = None,
-) -> torch.Tensor:
-    """One :func:`summarize` row per optimizer step (shape ``[S, SUMMARY_SIZE]``): row ``s``
-    over the trajectories ``steps[s]`` (see :func:`validate_steps`). The sample index a row
-    names (the first non-finite one) indexes ``stats``, as in :func:`summarize`."""
-    rows = []
-    for indices in steps:
-        index = torch.tensor(list(indices), dtype=torch.int64, device=stats.device)
-        row = summarize(stats.index_select(0, index), config, rank=rank, flags=flags)
-        if index.numel():
-            bad = row[_BAD_INDEX]
-            mapped = index.to(_ACC)[bad.clamp_min(0).to(torch.int64)]
-            row[_BAD_INDEX] = torch.where(bad >= 0, mapped, bad)
-        rows.append(row)
-    if not rows:
-        return torch.zeros((0, SUMMARY_SIZE), dtype=_ACC, device=stats.device)
-    return torch.stack(rows)

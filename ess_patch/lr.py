@@ -7,8 +7,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from .ledger import begin_step
 from .result import check_scale
-from .state import STATE, begin_step
+from .state import STATE
 
 __all__ = ["scaled_lr", "step_wrapper"]
 
@@ -58,7 +59,7 @@ def step_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
     parent's...) scales that optimizer's param groups once; nested wrapped calls on the same
     thread pass through, so each real update is scaled exactly once whatever the nesting.
     """
-    if STATE.armed is None and STATE.step_source is None:  # default: nothing armed or measured
+    if STATE.armed is None and STATE.ledger_run is None:  # default: nothing armed or measured
         return wrapped(*args, **kwargs)
     local = STATE.local
     if getattr(local, "in_step", False):
@@ -67,7 +68,7 @@ def step_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
     # an excluded ChainedOptimizer's children must not scale themselves either.
     local.in_step = True
     try:
-        # once per real step: reduces the step's ledger, moves per-step results on
+        # once per real step (a rollout measured inside the loss: reduces the step's ledger)
         scale = begin_step(instance)
         if scale is None or scale == 1.0:
             return wrapped(*args, **kwargs)

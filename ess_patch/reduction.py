@@ -26,9 +26,7 @@ __all__ = [
     "all_reduce_trajectory_stats",
     "any_missing",
     "broadcast_from_last_stage",
-    "broadcast_steps_from_last_stage",
     "check_envelopes",
-    "check_step_counts",
     "comm_device",
     "envelope",
     "exchange_envelopes",
@@ -178,16 +176,10 @@ def check_envelopes(
             f"{field}: " + ", ".join(f"rank {rank} {d[field]!r}" for rank, d in described.items())
             for field in differing
         )
-        hint = (
-            " (granularity: compute_ess_lr gives one result per rollout, compute_ess_lr_steps "
-            "one per optimizer step; every rank must call the same one)"
-            if "granularity" in differing
-            else ""
-        )
         return ConfigMismatchError(
             f"ESS-LR settings differ between the ranks of the {name} group ({detail}); every "
             "rank must use the same --ess-lr-* flags / EssLrConfig, or ranks would train with "
-            f"different LR scales{hint}"
+            "different LR scales"
         )
     if same_rows and len({int(r[_ROWS]) for r in rows}) > 1:
         counts = ", ".join(
@@ -207,28 +199,6 @@ def origin_rank(error: BaseException) -> int:
     if isinstance(error, InvalidInputsElsewhereError) and ranks:
         return int(ranks[0])
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _pp_stage(
-    payload: object, pp_group: object | None, error: BaseException | None, caller: str
-) -> tuple[bool | None, BaseException | None]:
-    """The checks both PP broadcasts start with: ``(None, None)`` for a single stage (after
-    raising its ``error``, or its missing payload); else whether this is the last stage, and
-    the error to flag (a last stage that passed nothing becomes one, so every stage joins)."""
-    size = group_size(pp_group, "PP")
-    if size <= 1:
-        if error is not None:
-            raise error
-        if payload is None:
-            raise ValueError(f"{caller}: the last pipeline stage passed nothing to broadcast")
-        return None, None
-    is_last = dist.get_rank(pp_group) == size - 1
-    if is_last and payload is None and error is None:
-        error = ValueError(
-            f"{caller}: the last pipeline stage (rank {dist.get_rank()}) passed nothing; it "
-            "must compute its result (compute_ess_lr / compute_ess_lr_steps) before broadcasting"
-        )
-    return is_last, error
 
 
 def broadcast_from_last_stage(
@@ -263,9 +233,22 @@ def broadcast_from_last_stage(
         ValueError: the last stage (or a single-stage run) passed None without an error.
         InvalidInputsElsewhereError / ConfigMismatchError: see :func:`check_envelopes`.
     """
-    is_last, error = _pp_stage(result, pp_group, error, "broadcast_from_last_stage")
-    if is_last is None:  # a single stage
-        return result  # type: ignore[return-value]
+    size = group_size(pp_group, "PP")
+    if size <= 1:
+        if error is not None:
+            raise error
+        if result is None:
+            raise ValueError(
+                "broadcast_from_last_stage: the last pipeline stage passed nothing to broadcast"
+            )
+        return result
+    is_last = dist.get_rank(pp_group) == size - 1
+    if is_last and result is None and error is None:
+        # it still joins, flagged, so that every stage raises instead of waiting
+        error = ValueError(
+            f"broadcast_from_last_stage: the last pipeline stage (rank {dist.get_rank()}) passed "
+            "nothing; it must compute its result (compute_ess_lr) before broadcasting"
+        )
     payload = torch.zeros(ENCODED_SIZE, dtype=torch.float64)
     if is_last and error is None:
         payload = torch.tensor(result.encode(), dtype=torch.float64)  # type: ignore[union-attr]
@@ -278,70 +261,3 @@ def broadcast_from_last_stage(
     if fault is not None:
         raise fault
     return result if is_last else EssLrResult.decode(rows[-1, ENVELOPE_SIZE:].tolist())
-
-
-# --- granularity "step": one result per optimizer step ----------------------------------------
-
-
-def check_step_counts(envelopes: torch.Tensor, name: str) -> Exception | None:
-    """Like :func:`check_envelopes`, then: every rank must split the rollout into the same
-    number of optimizer steps (the ``rows`` of its envelope)."""
-    fault = check_envelopes(envelopes, name)
-    if fault is not None:
-        return fault
-    rows = envelopes.tolist()
-    if len({int(r[_ROWS]) for r in rows}) > 1:
-        counts = ", ".join(f"rank {int(r[_RANK])} has {int(r[_ROWS])}" for r in rows)
-        return ValueError(
-            f"the {name} ranks split the rollout into different numbers of optimizer steps "
-            f"({counts}); with granularity 'step' every rank passes one list of trajectory "
-            "indices per optimizer step, for the same steps"
-        )
-    return None
-
-
-def broadcast_steps_from_last_stage(
-    results: list[EssLrResult] | None,
-    pp_group: object | None,
-    *,
-    config: EssLrConfig | None = None,
-    error: BaseException | None = None,
-) -> list[EssLrResult]:
-    """:func:`broadcast_from_last_stage` for one result per optimizer step.
-
-    When PP > 1, two all-gathers: the envelopes (with the last stage's step count), then, if
-    no stage failed, the last stage's results.
-
-    Raises:
-        ValueError: the last stage (or a single-stage run) passed None without an error.
-        InvalidInputsElsewhereError / ConfigMismatchError: see :func:`check_envelopes`.
-    """
-    is_last, error = _pp_stage(results, pp_group, error, "broadcast_steps_from_last_stage")
-    if is_last is None:  # a single stage
-        return list(results)  # type: ignore[arg-type]
-    rows = len(results) if is_last and error is None else 0  # type: ignore[arg-type]
-    # shaped like broadcast_from_last_stage's one gather (envelope, result), so that a stage
-    # running the other granularity meets the same sizes and both raise ConfigMismatchError
-    first = torch.cat(
-        [
-            envelope(failed=error is not None, rows=rows, config=config),
-            torch.zeros(ENCODED_SIZE, dtype=torch.float64),
-        ]
-    )
-    envelopes = all_gather_rows(first, pp_group, "PP")[:, :ENVELOPE_SIZE]
-    if error is not None:
-        raise error
-    fault = check_envelopes(envelopes, "PP")
-    if fault is not None:
-        raise fault
-    count = int(envelopes[-1, _ROWS])
-    if count == 0:  # every stage knows: no second collective
-        return []
-    payload = torch.zeros(count * ENCODED_SIZE, dtype=torch.float64)
-    if is_last:
-        payload = torch.tensor([v for r in results for v in r.encode()], dtype=torch.float64)  # type: ignore[union-attr]
-    gathered = all_gather_rows(payload, pp_group, "PP")
-    if is_last:
-        return list(results)  # type: ignore[arg-type]
-    values = gathered[-1].reshape(count, ENCODED_SIZE).tolist()
-    return [EssLrResult.decode(v) for v in values]

@@ -10,7 +10,6 @@ import logging
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,19 +21,13 @@ __all__ = [
     "STATE",
     "StepCountError",
     "arm",
-    "arm_steps",
     "armed",
-    "armed_steps",
-    "begin_step",
     "disarm",
     "exclude",
-    "ledger_add",
-    "ledger_fail",
-    "ledger_take",
+    "is_scaled",
     "note_applier",
     "reset",
     "set_role",
-    "set_step_source",
 ]
 
 logger = logging.getLogger(__name__)
@@ -47,10 +40,6 @@ ROLES = ("policy", "critic")
 @dataclass
 class _EssState:
     armed: EssLrResult | None = None
-    # granularity "step": this rollout's results, one per optimizer step, and the index of the
-    # next step's; ``armed`` is then the current (or next) step's result
-    steps: tuple[EssLrResult, ...] | None = None
-    step_index: int = 0
     # shadow mode's last result: logged, never read by the optimizer wrappers
     shadow: EssLrResult | None = None
     role: str = "policy"
@@ -68,12 +57,12 @@ class _EssState:
     # inspect.Signature per wrapped host function (integrations.binding)
     signatures: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     local: threading.local = field(default_factory=threading.local)
-    # measured inside the policy loss (integrations.loss_ledger): this optimizer step's
-    # per-trajectory partial sums ([B, 3] tables, one per loss call), the first error met while
-    # adding to it (raised at the step, on every rank alike), and what reduces it at the step
+    # measured inside the policy loss (ledger.py): the rollout so measured (a LedgerRun), this
+    # optimizer step's per-trajectory partial sums ([B, 3] tables, one per loss call) and the
+    # first error met while adding to them (raised at the step, on every rank alike)
+    ledger_run: Any = None
     ledger: list = field(default_factory=list)
     ledger_error: BaseException | None = None
-    step_source: Callable[[Any], EssLrResult | None] | None = None
 
 
 STATE = _EssState()
@@ -82,8 +71,6 @@ STATE = _EssState()
 def reset() -> None:
     """Forget everything armed or marked (does not unwrap patches: use ``uninstall``)."""
     STATE.armed = None
-    STATE.steps = None
-    STATE.step_index = 0
     STATE.shadow = None
     STATE.role = "policy"
     STATE.excluded = weakref.WeakSet()
@@ -92,7 +79,9 @@ def reset() -> None:
     STATE.applied_elsewhere = False
     STATE.shapes = {}
     STATE.signatures = weakref.WeakKeyDictionary()
-    set_step_source(None)
+    STATE.ledger_run = None
+    STATE.ledger = []
+    STATE.ledger_error = None
 
 
 def arm(result_or_scale: EssLrResult | float) -> EssLrResult:
@@ -112,7 +101,6 @@ def arm(result_or_scale: EssLrResult | float) -> EssLrResult:
     else:
         result = EssLrResult.from_scale(result_or_scale)
     check_something_applies()
-    _drop_steps()
     STATE.armed = result
     logger.debug(
         "armed ESS-LR scale %.6g (rho %.6g, status %s)", result.scale, result.rho, result.status
@@ -171,93 +159,12 @@ def armed() -> EssLrResult | None:
 
 def disarm() -> None:
     """Reset to the no-op: the coming optimizer steps use the scheduled LR unchanged."""
-    _drop_steps()
     STATE.armed = None
 
 
 class StepCountError(RuntimeError):
-    """An optimizer step ran after every per-step result armed for the rollout was used."""
-
-
-def arm_steps(results: Sequence[EssLrResult | float]) -> tuple[EssLrResult, ...]:
-    """Arm one result (or bare scale) per coming optimizer step: granularity ``"step"``.
-
-    Each real optimizer update takes the next one, in order (:func:`begin_step`), whatever
-    the optimizer nesting; a step that is skipped on inf/nan grads (``(False, None, None)``)
-    still takes its own, since the results follow the mini-batches. ``armed()`` is the
-    current step's result (before the first step: the first one), so the metrics a host
-    logs after a step are that step's. An optimizer step after the last one raises
-    :class:`StepCountError` before anything changes; fewer steps than results is logged
-    (warning) when the next rollout arms. An empty sequence arms nothing.
-
-    Raises:
-        ValueError: a scale outside (0, 1] (nothing is armed).
-    """
-    items = tuple(r if isinstance(r, EssLrResult) else EssLrResult.from_scale(r) for r in results)
-    for item in items:
-        check_scale(item.scale)
-    _drop_steps()
-    STATE.steps = items or None
-    STATE.step_index = 0
-    STATE.armed = items[0] if items else None
-    logger.debug("armed %d per-step ESS-LR results", len(items))
-    return items
-
-
-def armed_steps() -> tuple[EssLrResult, ...] | None:
-    """The per-step results armed for this rollout (``arm_steps``), or None."""
-    return STATE.steps
-
-
-def begin_step(optimizer: Any) -> float | None:
-    """The scale for the optimizer step of ``optimizer`` that starts now, or None.
-
-    The step wrappers call it once per real step, on every rank. With a step source set
-    (:func:`set_step_source`: ESS measured inside the loss) it first reduces this step's ledger
-    through it (collectives: every rank of the world enters the step together) and arms the
-    result. With per-step results armed it moves ``armed()`` to this step's result (an
-    optimizer that is never scaled moves nothing).
-
-    Raises:
-        StepCountError: every per-step result of the rollout was already used.
-        whatever the step source raises (a fault, on every rank alike); nothing is updated.
-    """
-    if not _scaled(optimizer):
-        return None
-    source = STATE.step_source
-    if source is not None:
-        result = source(optimizer)
-        if result is not None:
-            check_scale(result.scale)
-            STATE.armed = result
-    steps = STATE.steps
-    if steps is not None:
-        index = STATE.step_index
-        if index >= len(steps):
-            raise StepCountError(
-                f"ESS-LR granularity 'step': optimizer step {index + 1} of this rollout has no "
-                f"result; {len(steps)} were armed, one per mini-batch the rollout was split into. "
-                "The train loop runs more optimizer steps per rollout than that split found "
-                "(check how the integration splits the rollout, or use granularity 'rollout'). "
-                "Nothing was updated"
-            )
-        STATE.armed = steps[index]
-        STATE.step_index = index + 1
-    return STATE.armed.scale if STATE.armed is not None else None
-
-
-def _drop_steps() -> None:
-    steps, used = STATE.steps, STATE.step_index
-    if steps is not None and used < len(steps):
-        logger.warning(
-            "ESS-LR granularity 'step': the last rollout had %d per-step results but only %d "
-            "optimizer step(s) used them (a train step that did not call optimizer.step()?); if "
-            "that step was not the last, the steps after it used their predecessors' results",
-            len(steps),
-            used,
-        )
-    STATE.steps = None
-    STATE.step_index = 0
+    """A rollout measured inside the loss ran more optimizer steps than its granularity
+    allows (one ESS per rollout does not exist before the first of several steps)."""
 
 
 def set_role(role: str) -> None:
@@ -272,7 +179,7 @@ def exclude(optimizer: Any) -> None:
     STATE.excluded.add(optimizer)
 
 
-def _scaled(optimizer: Any) -> bool:
+def is_scaled(optimizer: Any) -> bool:
     """Whether ``optimizer`` is ever scaled in this process (policy role, not excluded)."""
     if STATE.role != "policy":
         return False
@@ -285,34 +192,6 @@ def _scaled(optimizer: Any) -> bool:
 def scale_for(optimizer: Any) -> float | None:
     """The scale to apply to ``optimizer``'s step now, or None to leave it untouched."""
     result = STATE.armed
-    if result is None or not _scaled(optimizer):
+    if result is None or not is_scaled(optimizer):
         return None
     return result.scale
-
-
-def set_step_source(source: Callable[[Any], EssLrResult | None] | None) -> None:
-    """Decide each optimizer step's result at the step: ``source(optimizer)``, called by
-    :func:`begin_step` on every rank, reduces this step's ledger (or returns None: leave the
-    step alone). None stops it. Either way the ledger is emptied (a new rollout starts)."""
-    STATE.step_source = source
-    STATE.ledger = []
-    STATE.ledger_error = None
-
-
-def ledger_add(table: Any) -> None:
-    """Add one loss call's per-trajectory ``[B, 3]`` partial sums to this step's ledger."""
-    STATE.ledger.append(table)
-
-
-def ledger_fail(error: BaseException) -> None:
-    """Record an error met while adding to the ledger; the step raises it on every rank."""
-    if STATE.ledger_error is None:
-        STATE.ledger_error = error
-
-
-def ledger_take() -> tuple[list, BaseException | None]:
-    """This step's tables and error, and an empty ledger for the next step."""
-    tables, error = STATE.ledger, STATE.ledger_error
-    STATE.ledger = []
-    STATE.ledger_error = None
-    return tables, error

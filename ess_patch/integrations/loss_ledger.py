@@ -6,17 +6,17 @@ computed with the ``old_actor`` weights, i.e. the rollout policy), the only plac
 policy's log-probs exist is the policy loss, beside the rollout log-probs its IS correction
 uses. So, at no extra forward pass:
 
-1. the advantage hook registers a :class:`LedgerSource` as the step source (``state``) and
-   arms nothing;
+1. the advantage hook starts a :class:`~ess_patch.ledger.LedgerRun` (:func:`start_run`) and
+   arms nothing; granularity "step" is always measured this way (:func:`per_step_reason`);
 2. each call of the policy loss (``policy_loss_function``; never the value loss, never a
    forward-only log-prob pass) adds its samples' per-trajectory partial sums, CP-local and
    detached (``[sum of masked log-ratio, masked tokens, non-finite flag]``, float64), to the
    step's ledger; the log-probs are the ones ``get_log_probs_and_entropy`` returned inside
    that call;
 3. at ``optimizer.step()``, which every rank of the DP x CP x PP world enters together, the
-   step wrapper calls the source: the ledger is summed over CP per trajectory, gathered over
-   DP, decided on the last pipeline stage and broadcast to the others (faults and settings in
-   the envelopes, as for a rollout), armed for that step, and emptied.
+   step wrapper reduces the ledger (``ess_patch/ledger.py``): summed over CP per trajectory,
+   gathered over DP, decided on the last pipeline stage and broadcast to the others (faults
+   and settings in the envelopes, as for a rollout), armed for that step, and emptied.
 
 Granularity: one result per optimizer step, over that step's own mini-batch (its real
 micro-batches, whatever the host's batching schedule). With one step per rollout that is the
@@ -26,122 +26,54 @@ ledger of the next step of the rollout.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..config import EssLrConfig
+from .. import ledger
+from ..ledger import LedgerRun
 from ..patching import Target
-from ..result import EssLrResult
-from ..state import STATE, StepCountError, ledger_add, ledger_fail, ledger_take
+from ..state import STATE
 from .binding import bind
-from .rl_hooks import Groups, config_from_args, shadow_requested
+from .flags import config_from_args, shadow_requested
+
+if TYPE_CHECKING:
+    from .rl_hooks import Groups
 
 __all__ = [
-    "LedgerSource",
     "log_probs_wrapper",
     "loss_targets",
+    "per_step_reason",
     "policy_loss_wrapper",
+    "start_run",
     "steps_per_rollout_refusal",
 ]
 
-logger = logging.getLogger(__name__)
+
+def start_run(
+    framework: str, args: Any, groups: Groups, reason: str, *, shadow: bool = False
+) -> LedgerRun:
+    """Measure this rollout inside the policy loss (``reason``: why), over ``groups``."""
+    run = LedgerRun(
+        framework=framework,
+        reason=reason,
+        config=config_from_args(args),
+        cp_group=groups.cp_group,
+        dp_group=groups.dp_group,
+        pp_group=groups.pp_group,
+        is_pp_last=groups.is_pp_last,
+        shadow=shadow,
+        context=(args, groups),
+    )
+    ledger.start(run)
+    return run
 
 
-class LedgerSource:
-    """One rollout's step source: reduces each optimizer step's ledger over ``groups``.
-
-    ``reason``: why the rollout is measured inside the loss (said in errors). ``shadow``:
-    keep each step's result for the logs (``STATE.shadow``), never scale.
-    """
-
-    def __init__(
-        self,
-        framework: str,
-        args: Any,
-        groups: Groups,
-        config: EssLrConfig,
-        reason: str,
-        shadow: bool = False,
-    ) -> None:
-        self.framework = framework
-        self.args = args
-        self.groups = groups
-        self.config = config
-        self.reason = reason
-        self.shadow = shadow
-        self.steps = 0  # optimizer steps of this rollout so far
-
-    def __call__(self, _optimizer: Any) -> EssLrResult | None:
-        # Read at the step, not at the hook: slime's and miles' critics set value_loss only
-        # after their first advantage call; a critic's step never enters a collective here.
-        if getattr(self.args, "loss_type", "policy_loss") != "policy_loss":
-            ledger_take()
-            return None
-        self.steps += 1
-        if self.steps == 2 and self.shadow and self.config.granularity != "step":
-            # shadow mode never changes an LR: say what the logs hold instead of stopping a run
-            logger.warning(
-                "ess-patch (%s): shadow mode measures this run inside the policy loss (%s), "
-                "and this rollout has more than one optimizer step: the logged results are per "
-                "optimizer step, not one per rollout",
-                self.framework,
-                self.reason,
-            )
-        elif self.steps > 1 and self.config.granularity != "step":
-            # every rank enters its n-th step together: all raise here, before any collective
-            raise StepCountError(
-                f"ess-patch ({self.framework}): ESS-LR measures this run inside the policy loss "
-                f"({self.reason}), one result per optimizer step, and this rollout has more "
-                "than one optimizer step: one ESS over the whole rollout (granularity "
-                "'rollout') does not exist before its first step. Set --ess-lr-granularity step "
-                "(or ESS_LR_GRANULARITY=step). Nothing was updated in this step"
-            )
-        tables, error = ledger_take()
-        if self.groups.is_pp_last and not tables and error is None:
-            # every micro-batch of the last stage runs the loss: none seen means the policy
-            # loss is not wrapped here; never a measured-looking no-op
-            error = RuntimeError(
-                f"ess-patch ({self.framework}): no policy-loss call reached ESS-LR in this "
-                f"optimizer step, which it measures inside the loss ({self.reason}); is "
-                f"{self.framework}'s policy_loss_function patched (ess_patch.install())?"
-            )
-        result = reduce_ledger(tables, error, self.groups, self.config)
-        if self.shadow:
-            STATE.shadow = result
-            return None
-        return result
-
-
-def reduce_ledger(
-    tables: list, error: BaseException | None, groups: Groups, config: EssLrConfig
-) -> EssLrResult:
-    """The step's result from its ledger, identical on every rank (collectives: CP sum per
-    trajectory, DP gather on the last stage, then a PP broadcast from it)."""
-    import torch
-
-    from ..compute import compute_ess_lr_from_stats
-    from ..reduction import broadcast_from_last_stage
-
-    out = None
-    failure: BaseException | None = None
-    try:
-        if groups.is_pp_last:
-            table = (
-                torch.cat(tables)
-                if tables
-                else torch.zeros((0, 3), dtype=torch.float64)  # no sample of this step here
-            )
-            out = compute_ess_lr_from_stats(
-                table,
-                config=config,
-                cp_group=groups.cp_group,
-                dp_group=groups.dp_group,
-                error=error,
-            )
-    except Exception as exc:
-        failure = exc  # the other pipeline stages learn of it through the broadcast
-    return broadcast_from_last_stage(out, groups.pp_group, config=config, error=failure)
+def per_step_reason(args: Any) -> str | None:
+    """Granularity "step" is always measured inside the loss: each step over its own
+    mini-batch, as the host's train loop really splits it."""
+    if config_from_args(args).granularity == "step":
+        return "granularity 'step' measures each optimizer step's mini-batch inside the loss"
+    return None
 
 
 def _in_backward() -> bool:
@@ -156,10 +88,10 @@ def policy_loss_wrapper(
 ) -> Any:
     """Wrap ``policy_loss_function(args, batch, logits, sum_of_sample_mean)``: catch the
     log-probs it computes and add this call's samples to the step's ledger."""
-    source = STATE.step_source
+    run = ledger.running()
     local = STATE.local
     if (
-        not isinstance(source, LedgerSource)
+        run is None
         or getattr(local, "ledger_capture", None) is not None  # nested: the outer call adds
         or _in_backward()  # --recompute-loss-function: already counted in the forward
     ):
@@ -175,13 +107,13 @@ def policy_loss_wrapper(
         batch = None if call is None else call.arguments.get("batch")
         if batch is None:
             raise ValueError(
-                f"ess-patch ({source.framework}): the policy loss was called without a batch "
+                f"ess-patch ({run.framework}): the policy loss was called without a batch "
                 "argument; ESS-LR cannot measure this step"
             )
-        ledger_add(_partial_sums(source, batch, capture))
+        ledger.add(_partial_sums(run, batch, capture))
     except Exception as exc:
         # raised at the optimizer step, through the collectives, on every rank alike
-        ledger_fail(exc)
+        ledger.fail(exc)
     return out
 
 
@@ -211,25 +143,25 @@ def _log_probs_of(returned: Any) -> list:
     return list(found["log_probs"])
 
 
-def _partial_sums(source: LedgerSource, batch: dict, capture: list) -> Any:
+def _partial_sums(run: LedgerRun, batch: dict, capture: list) -> Any:
     """This loss call's ``[B, 3]`` table, CP-local, detached, float64."""
     from ..cp_slicing import local_response_masks
     from ..estimator import trajectory_stats
 
     if not capture:
         raise RuntimeError(
-            f"ess-patch ({source.framework}): the policy loss computed its log-probs without "
+            f"ess-patch ({run.framework}): the policy loss computed its log-probs without "
             "get_log_probs_and_entropy; ESS-LR cannot measure this step"
         )
     log_probs = [lp.detach() for lp in _log_probs_of(capture[0])]
     rollout = batch.get("rollout_log_probs")
     if not rollout:
         raise ValueError(
-            f"ess-patch ({source.framework}): the policy loss's batch has no rollout_log_probs; "
+            f"ess-patch ({run.framework}): the policy loss's batch has no rollout_log_probs; "
             "ESS-LR needs the rollout engine's log-probs (the rollout must record them)"
         )
     masks = batch["loss_masks"]
-    groups = source.groups
+    args, groups = run.context
     if groups.cp_size > 1:  # full-length masks, CP-local log-probs (both frameworks)
         masks = local_response_masks(
             masks,
@@ -237,7 +169,7 @@ def _partial_sums(source: LedgerSource, batch: dict, capture: list) -> Any:
             batch["response_lengths"],
             groups.cp_rank,
             groups.cp_size,
-            qkv_format=getattr(source.args, "qkv_format", "thd"),
+            qkv_format=getattr(args, "qkv_format", "thd"),
             max_seq_lens=batch.get("max_seq_lens"),
         )
     return trajectory_stats(log_probs, [r.detach() for r in rollout], masks)

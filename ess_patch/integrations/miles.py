@@ -38,7 +38,7 @@ from ..attach import attach
 from ..patching import Target
 from . import Integration
 from .binding import bind, call_with
-from .loss_ledger import loss_targets, steps_per_rollout_refusal
+from .loss_ledger import loss_targets, per_step_reason, steps_per_rollout_refusal
 from .rl_hooks import (
     Framework,
     Groups,
@@ -49,7 +49,6 @@ from .rl_hooks import (
     rollout_logprobs_only,
 )
 from .shapes import Aspect, Feature, History, Shape
-from .steps import miles_step_samples
 
 SUPPORTED = (
     "miles from 2026-01-12 (training_utils with ParallelState) to @31f1ca961 (2026-08-21), "
@@ -251,7 +250,7 @@ def _measure_in_loss(args: Any, _rollout_data: Any) -> str | None:
 def _no_input_reason(args: argparse.Namespace) -> str | None:
     # Every policy-loss configuration gets measured: at the advantage hook, or inside the loss
     # (_measure_in_loss). What remains: one ESS per rollout of several steps, inside the loss.
-    reason = _measure_in_loss(args, None)
+    reason = _measure_in_loss(args, None) or per_step_reason(args)
     if reason is not None and getattr(args, "train_backend", "megatron") == "fsdp":
         return f"{reason}, and the FSDP backend is not measured inside its loss yet"
     return steps_per_rollout_refusal(args, reason)
@@ -283,7 +282,6 @@ MILES_FRAMEWORK = Framework(
     groups=lambda: _call_groups({}),
     no_input_reason=_no_input_reason,
     unsupported_reason=_unsupported_reason,
-    step_samples=miles_step_samples,
     call_groups=_call_groups,
     history=MILES_HISTORY,
     measure_in_loss=_measure_in_loss,

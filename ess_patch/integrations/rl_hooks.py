@@ -15,20 +15,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from .. import ledger
 from ..patching import MissingTargetError, Target
 from ..result import EssLrResult
-from ..state import (
-    STATE,
-    arm,
-    arm_steps,
-    armed,
-    check_something_applies,
-    disarm,
-    set_role,
-    set_step_source,
-)
+from ..state import STATE, arm, armed, check_something_applies, disarm, set_role
 from .binding import bind, call_with
 from .flags import add_ess_arguments, compose_custom_arguments, config_from_args, shadow_requested
+from .loss_ledger import per_step_reason, start_run
 from .shapes import History
 
 __all__ = [
@@ -66,9 +59,6 @@ class Framework:
     no_input_reason: Callable[[argparse.Namespace], str | None]
     #: Why these args select a backend or mode the integration does not support.
     unsupported_reason: Callable[[argparse.Namespace], str | None]
-    #: ``(args, rollout_data, dp_size) -> steps``: the indices of this rank's samples that each
-    #: optimizer step of the rollout trains on (granularity "step"); None: "step" is refused.
-    step_samples: Callable[[Any, dict, int], list[list[int]]] | None = None
     #: The groups from the advantage call's arguments, bound by name (a host whose
     #: ParallelState is an argument); default: ``groups()``.
     call_groups: Callable[[Mapping[str, Any]], Groups] | None = None
@@ -77,7 +67,8 @@ class Framework:
     #: ``(args, rollout_data) -> reason or None``: why the advantage hook has no current-policy
     #: log-probs for this rollout (skipped or computed with the old actor), so that ESS-LR
     #: measures inside the policy loss and decides at each optimizer step (``loss_ledger``).
-    #: Decided from the args and the step count alone: the same on every rank.
+    #: Decided from the args and the step count alone: the same on every rank. Granularity
+    #: "step" is always measured there; None: the framework has no loss hooks ("step" refused).
     measure_in_loss: Callable[[Any, Mapping[str, Any] | None], str | None] | None = None
 
     def groups_for(self, call: Mapping[str, Any]) -> Groups:
@@ -117,18 +108,12 @@ def validate(framework: Framework, args: argparse.Namespace) -> None:
         )
     flag = "--use-ess-lr" if enabled else "--ess-lr-shadow"
     config = config_from_args(args)  # field checks (e.g. a floor set programmatically)
-    if config.granularity == "step":
-        if framework.step_samples is None:
-            raise ValueError(
-                f"{flag} with granularity 'step' (--ess-lr-granularity / ESS_LR_GRANULARITY) is "
-                f"not supported with {framework.name}: ess-patch does not know how its train "
-                "loop splits a rollout into optimizer steps. Use granularity 'rollout'"
-            )
-        if shadow:
-            raise ValueError(
-                "--ess-lr-shadow with granularity 'step' is not supported yet (shadow mode logs "
-                f"one result per rollout); use granularity 'rollout' ({framework.name})"
-            )
+    if config.granularity == "step" and framework.measure_in_loss is None:
+        raise ValueError(
+            f"{flag} with granularity 'step' (--ess-lr-granularity / ESS_LR_GRANULARITY) is "
+            f"not supported with {framework.name}: ess-patch measures each optimizer step "
+            "inside the policy loss and has no loss hook there. Use granularity 'rollout'"
+        )
     reason = framework.unsupported_reason(args)
     if reason:
         raise ValueError(f"{flag} is not supported with {reason} ({framework.name})")
@@ -220,7 +205,7 @@ def advantage_wrapper(framework: Framework) -> Callable[..., Any]:
             if not shadow_requested(host_args):
                 return wrapped(*args, **kwargs)  # disabled: no collective, no state change
             STATE.shadow = None  # a failed rollout must not leave the previous one's logs
-            set_step_source(None)
+            ledger.stop()
             out = wrapped(*args, **kwargs)
             if is_critic(host_args):
                 set_role("critic")
@@ -232,7 +217,7 @@ def advantage_wrapper(framework: Framework) -> Callable[..., Any]:
             STATE.shadow = compute_from_rollout(framework, host_args, rollout_data, groups=groups)
             return out
         disarm()  # if anything below raises, the previous rollout's scale is not reused
-        set_step_source(None)  # nor its ledger
+        ledger.stop()  # nor its ledger
         out = wrapped(*args, **kwargs)
         if is_critic(host_args):
             set_role("critic")  # the critic is never scaled
@@ -250,109 +235,56 @@ def advantage_wrapper(framework: Framework) -> Callable[..., Any]:
 def _start_ledger(
     framework: Framework, args: Any, rollout_data: Any, groups: Groups, *, shadow: bool
 ) -> bool:
-    """When this rollout's log-probs at the hook are not the current policy's, measure inside
-    the policy loss from now on (every rank decides alike, from the args and the step count);
-    returns whether it does."""
-    reason = (
-        None if framework.measure_in_loss is None else framework.measure_in_loss(args, rollout_data)
-    )
+    """Granularity "step", or a rollout whose log-probs at the hook are not the current
+    policy's: measure inside the policy loss from now on (every rank decides alike, from the
+    args and the step count); returns whether it does."""
+    if framework.measure_in_loss is None:
+        return False
+    reason = framework.measure_in_loss(args, rollout_data) or per_step_reason(args)
     if reason is None:
         return False
-    from .loss_ledger import LedgerSource
-
     if not shadow:  # what arm() says when nothing would apply the step's scale
         check_something_applies()
-    source = LedgerSource(framework.name, args, groups, config_from_args(args), reason, shadow)
-    set_step_source(source)
+    start_run(framework.name, args, groups, reason, shadow=shadow)
     logger.debug("ess-patch (%s): measuring inside the policy loss: %s", framework.name, reason)
     return True
 
 
 def arm_from_rollout(
     framework: Framework, args: Any, rollout_data: dict, *, groups: Groups | None = None
-) -> EssLrResult | None:
-    """Compute this rollout's ESS on every rank of the actor and arm it (granularity "step":
-    one result per optimizer step); returns what the next step uses (None: a rollout of no step).
+) -> EssLrResult:
+    """Compute this rollout's ESS on every rank of the actor and arm it.
 
     Whatever fails on one rank (a missing key, bad inputs, a non-finite log-prob) fails on
     every rank of the actor, CP, DP and PP alike, and leaves nothing armed.
     """
     disarm()  # a failed rollout must not leave the previous rollout's scale armed
-    if config_from_args(args).granularity == "step":
-        arm_steps(compute_steps_from_rollout(framework, args, rollout_data, groups=groups))
-        return armed()
     return arm(compute_from_rollout(framework, args, rollout_data, groups=groups))
 
 
 def compute_from_rollout(
     framework: Framework, args: Any, rollout_data: dict, *, groups: Groups | None = None
 ) -> EssLrResult:
-    """This rollout's result, identical on every rank of the actor (arms nothing).
+    """This rollout's result, identical on every rank of the actor (arms nothing): one
+    ``compute_ess_lr`` call on every pipeline stage, so that a fault on any rank of
+    DP x CP x PP reaches every rank.
 
     ``groups``: the process groups (default: ``framework.groups()``)."""
-    return _on_every_rank(framework, args, rollout_data, groups, per_step=False)
-
-
-def compute_steps_from_rollout(
-    framework: Framework, args: Any, rollout_data: dict, *, groups: Groups | None = None
-) -> list[EssLrResult]:
-    """Granularity "step": one result per optimizer step of this rollout, over the samples
-    ``framework.step_samples`` says that step trains on; identical on every rank.
-
-    ``groups``: the process groups (default: ``framework.groups()``)."""
-    if framework.step_samples is None:
-        raise ValueError(f"granularity 'step' is not supported with {framework.name}")
-    return _on_every_rank(framework, args, rollout_data, groups, per_step=True)
-
-
-def _on_every_rank(
-    framework: Framework, args: Any, rollout_data: dict, groups: Groups | None, *, per_step: bool
-) -> Any:
-    """Compute on the last pipeline stage, then broadcast: a failure there (or anywhere in
-    the CP/DP collectives) reaches every stage instead of leaving it waiting."""
     # Imported here: install() (run at start-up by the auto-install) must not import torch.
-    from ..compute import compute_ess_lr, compute_ess_lr_steps
-    from ..reduction import broadcast_from_last_stage, broadcast_steps_from_last_stage
+    from ..compute import compute_ess_lr
 
     groups = framework.groups() if groups is None else groups
-    config = config_from_args(args)
-    inputs = [rollout_data.get(k) for k in ("log_probs", "rollout_log_probs", "loss_masks")]
-    options = {
-        "config": config,
-        "cp_group": groups.cp_group,
-        "dp_group": groups.dp_group,
-        "prepare_masks": _mask_preparer(groups, args, rollout_data),
-    }
-    if not per_step:
-        # one call on every stage: a fault on any stage reaches every rank of DP x CP x PP
-        out = compute_ess_lr(*inputs, pp_group=groups.pp_group, **options)
-        if out.status == "missing":
-            _warn_missing(framework, rollout_data)
-        return out
-    out = None
-    error: BaseException | None = None
-    try:
-        if groups.is_pp_last and per_step:
-            split = framework.step_samples
-            dp_size = _group_size(groups.dp_group)
-            # the split runs inside, so that a failure to split reaches every rank
-            steps = lambda: split(args, rollout_data, dp_size)  # noqa: E731
-            out = compute_ess_lr_steps(*inputs, steps, **options)
-        elif groups.is_pp_last:
-            out = compute_ess_lr(*inputs, **options)
-    except Exception as exc:
-        error = exc  # the other pipeline stages learn of it through the broadcast
-    broadcast = broadcast_steps_from_last_stage if per_step else broadcast_from_last_stage
-    out = broadcast(out, groups.pp_group, config=config, error=error)
-    if any(r.status == "missing" for r in (out if per_step else [out])):
+    out = compute_ess_lr(
+        *(rollout_data.get(k) for k in ("log_probs", "rollout_log_probs", "loss_masks")),
+        config=config_from_args(args),
+        cp_group=groups.cp_group,
+        dp_group=groups.dp_group,
+        pp_group=groups.pp_group,
+        prepare_masks=_mask_preparer(groups, args, rollout_data),
+    )
+    if out.status == "missing":
         _warn_missing(framework, rollout_data)
     return out
-
-
-def _group_size(group: Any) -> int:
-    import torch.distributed as dist
-
-    return 1 if group is None else dist.get_world_size(group)
 
 
 def _mask_preparer(groups: Groups, args: Any, rollout_data: dict) -> Callable[[Any], list] | None:

@@ -26,7 +26,7 @@ from typing import Any
 from ..patching import Target
 from . import Integration
 from .binding import bind, call_with
-from .loss_ledger import loss_targets, steps_per_rollout_refusal
+from .loss_ledger import loss_targets, per_step_reason, steps_per_rollout_refusal
 from .rl_hooks import (
     METRIC_PREFIX,
     Framework,
@@ -37,7 +37,6 @@ from .rl_hooks import (
     rollout_logprobs_only,
 )
 from .shapes import Aspect, Feature, History, Shape
-from .steps import slime_step_samples
 
 SUPPORTED = (
     "slime v0.2.0 (2025-11-28) to @624b824a8 (2026-08-21), releases v0.3.0 and v0.3.1 included"
@@ -148,7 +147,7 @@ def _measure_in_loss(args: Any, rollout_data: Any) -> str | None:
 def _no_input_reason(args: argparse.Namespace) -> str | None:
     # Every policy-loss configuration gets measured: at the advantage hook, or inside the loss
     # (_measure_in_loss). What remains: one ESS per rollout of several steps, inside the loss.
-    return steps_per_rollout_refusal(args, _measure_in_loss(args, None))
+    return steps_per_rollout_refusal(args, _measure_in_loss(args, None) or per_step_reason(args))
 
 
 SLIME_FRAMEWORK = Framework(
@@ -156,7 +155,6 @@ SLIME_FRAMEWORK = Framework(
     groups=_groups,
     no_input_reason=_no_input_reason,
     unsupported_reason=_unsupported_reason,
-    step_samples=slime_step_samples,
     history=SLIME_HISTORY,
     measure_in_loss=_measure_in_loss,
 )
