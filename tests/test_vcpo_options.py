@@ -3,15 +3,15 @@
 - config: the new fields, their errors, ``ESS_LR_*``, and the fingerprint that makes ranks with
   different settings raise;
 - ``weight_clip``: hand-computed values and the float64 reference;
-- ``compute_ess_lr_steps``: one result per step, each the reference over that step alone;
-- ``arm_steps``: real megatron-core optimizers (ChainedOptimizer) and a plain torch optimizer
-  take one result per real update, each update scaled by its own step's scale, exactly once;
-- the miles/slime hook and flags in step mode, and the miles/slime step splits.
+- granularity "step": ``compute_ess_lr`` over each step's samples is the reference over that
+  step alone, and so is the per-step ledger, however the step's samples reach it (loss call by
+  loss call); real megatron-core optimizers (ChainedOptimizer) and a plain torch optimizer take
+  one result per real update, each update scaled by its own step's scale, exactly once;
+- the miles/slime hook and flags in step mode (the real train loop: tests/frameworks).
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from argparse import Namespace
 
@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 from reference import reference_ess, reference_steps
 
 import ess_patch
-from ess_patch import EssLrConfig, EssLrResult, compute_ess_lr, compute_ess_lr_steps
+from ess_patch import EssLrConfig, EssLrResult, compute_ess_lr, ledger
 from ess_patch.config import describe_fingerprint
+from ess_patch.estimator import trajectory_stats
 from ess_patch.integrations.rl_hooks import (
     Framework,
     Groups,
@@ -32,7 +33,6 @@ from ess_patch.integrations.rl_hooks import (
     ess_metrics,
     validate,
 )
-from ess_patch.integrations.steps import miles_steps, schedule_steps, slime_step_samples
 
 # --- config ---------------------------------------------------------------------------------------
 
@@ -160,7 +160,7 @@ def test_weight_clip_agrees_with_the_float64_reference(mode, clip):
     assert ref["rho"] != pytest.approx(unclipped["rho"], rel=1e-6)  # the clip mattered
 
 
-# --- compute_ess_lr_steps -------------------------------------------------------------------------
+# --- granularity "step": one result per optimizer step --------------------------------------------
 
 
 def _random_batch(gen, n, *, scale=0.3, max_len=20):
@@ -180,96 +180,69 @@ def _random_batch(gen, n, *, scale=0.3, max_len=20):
 STEPS = [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17]]
 
 
+def _pick(batch, indices):
+    return [[seq[i] for i in indices] for seq in batch]
+
+
+def _run(config=None, **groups):
+    return ledger.LedgerRun(
+        framework="test", reason="granularity 'step'", config=config or EssLrConfig(), **groups
+    )
+
+
 @pytest.mark.parametrize("mode", ["geometric", "product"])
 def test_each_step_is_the_reference_over_its_own_trajectories(mode):
-    lp, rlp, masks = _random_batch(torch.Generator().manual_seed(3), 20)  # 18, 19: no step
+    batch = _random_batch(torch.Generator().manual_seed(3), 20)  # 18, 19: no step
     config = EssLrConfig(weight_mode=mode, granularity="step")
-    results = compute_ess_lr_steps(lp, rlp, masks, STEPS, config=config)
-    refs = reference_steps(lp, rlp, masks, STEPS, mode=mode, shift=True)
-    assert len(results) == 3
+    results = [compute_ess_lr(*_pick(batch, indices), config=config) for indices in STEPS]
+    refs = reference_steps(*batch, STEPS, mode=mode, shift=True)
     for got, ref in zip(results, refs, strict=True):
         assert got.num_trajectories == ref["num_trajectories"]
         for key in ("rho", "ess", "scale"):
             assert getattr(got, key) == pytest.approx(ref[key], rel=1e-9), key
     assert len({r.scale for r in results}) == 3  # three different steps, three scales
-    # exactly what compute_ess_lr gives on each step's samples alone
-    for got, indices in zip(results, STEPS, strict=True):
-        pick = [[seq[i] for i in indices] for seq in (lp, rlp, masks)]
-        assert got == compute_ess_lr(*pick, config=config)
 
 
 @settings(max_examples=25, deadline=None)
 @given(
     seed=st.integers(0, 10_000),
-    assignment=st.lists(st.integers(-1, 3), min_size=1, max_size=24),
+    calls=st.lists(st.integers(0, 4), min_size=1, max_size=8),
     mode=st.sampled_from(["geometric", "product"]),
     clip=st.sampled_from([None, 0.9, 2.0]),
 )
-def test_property_each_step_is_compute_ess_lr_on_its_samples(seed, assignment, mode, clip):
-    """Any split (trajectory i in step assignment[i], -1 = none): step s is exactly
-    compute_ess_lr on step s's trajectories, in their order."""
-    lp, rlp, masks = _random_batch(torch.Generator().manual_seed(seed), len(assignment))
-    steps = [[i for i, a in enumerate(assignment) if a == s] for s in range(4)]
-    config = EssLrConfig(weight_mode=mode, weight_clip=clip)
-    results = compute_ess_lr_steps(lp, rlp, masks, steps, config=config)
-    for got, indices in zip(results, steps, strict=True):
-        pick = [[seq[i] for i in indices] for seq in (lp, rlp, masks)]
-        assert got == compute_ess_lr(*pick, config=config)
+def test_property_the_ledger_of_a_step_is_compute_ess_lr_on_its_samples(seed, calls, mode, clip):
+    """A step's samples reach the ledger loss call by loss call (``calls[k]`` samples in call
+    k): the step's result is exactly ``compute_ess_lr`` on all of them, in their order."""
+    batch = _random_batch(torch.Generator().manual_seed(seed), sum(calls))
+    config = EssLrConfig(weight_mode=mode, weight_clip=clip, granularity="step")
+    tables, start = [], 0
+    for count in calls:
+        tables.append(trajectory_stats(*_pick(batch, range(start, start + count))))
+        start += count
+    got = ledger.reduce_tables(tables, None, _run(config))
+    assert got == compute_ess_lr(*batch, config=config)
 
 
-def test_steps_take_numpy_and_torch_integers():
-    np = pytest.importorskip("numpy")
-    batch = _batch([0.0, 2.0, 1.0])
-    plain = compute_ess_lr_steps(*batch, [[0, 1], [2]])
-    assert compute_ess_lr_steps(*batch, [[np.int64(0), torch.tensor(1)], (np.int32(2),)]) == plain
-
-
-def test_a_step_without_valid_trajectories_is_a_noop_and_steps_may_be_a_callable():
+def test_a_step_without_valid_trajectories_is_a_noop_and_a_nonfinite_one_names_its_row():
     lp, rlp, masks = _batch([0.0, 2.0, 1.0])
     masks[2] = torch.zeros(1)
-    results = compute_ess_lr_steps(lp, rlp, masks, lambda: [[0, 1], [2], []])
-    assert results[0].status == "ok" and results[0].scale < 1
-    assert results[1] == EssLrResult.noop("no_valid", num_empty=1)
-    assert results[2] == EssLrResult.noop("no_valid")
-    assert compute_ess_lr_steps(lp, rlp, masks, []) == []
+    empty = trajectory_stats(lp[2:], rlp[2:], masks[2:])
+    assert ledger.reduce_tables([empty], None, _run()) == EssLrResult.noop("no_valid", num_empty=1)
+    lp[1] = torch.tensor([float("nan")], dtype=torch.float64)
+    table = trajectory_stats(lp[:2], rlp[:2], masks[:2])
+    with pytest.raises(ess_patch.NonFiniteLogProbError, match="sample index 1 of data-parallel"):
+        ledger.reduce_tables([table], None, _run())
+    floor = ledger.reduce_tables([table], None, _run(EssLrConfig(nonfinite="floor")))
+    assert floor.status == "nonfinite" and floor.scale == 0.1
 
 
-def test_a_nonfinite_log_prob_names_its_sample_index_in_the_rollout():
-    lp, rlp, masks = _batch([0.0, 1.0, 2.0, 0.5])
-    lp[2] = torch.tensor([float("nan")], dtype=torch.float64)
-    with pytest.raises(ess_patch.NonFiniteLogProbError, match="sample index 2 of data-parallel"):
-        compute_ess_lr_steps(lp, rlp, masks, [[0, 1], [3, 2]])
-    floor = compute_ess_lr_steps(
-        lp, rlp, masks, [[0, 1], [3, 2]], config=EssLrConfig(nonfinite="floor")
-    )
-    assert floor[0].status == "ok" and floor[1].status == "nonfinite"
-    assert floor[1].scale == 0.1
+# --- per-step results on real optimizers -------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("steps", "error", "message"),
-    [
-        ([[0, 4]], ValueError, r"steps\[0\] holds trajectory index 4, but this rank has 3"),
-        ([[0], [-1]], ValueError, r"steps\[1\] holds trajectory index -1"),
-        ([[0], [1.0]], TypeError, r"steps\[1\] holds 1.0; trajectory indices are ints"),
-        ([[True]], TypeError, r"steps\[0\] holds True; trajectory indices are ints"),
-        ([[0], 1], TypeError, r"steps\[1\] is a int"),
-        (torch.tensor([[0]]), TypeError, "steps must be a sequence"),
-        (lambda: 1 / 0, ZeroDivisionError, "division by zero"),
-    ],
-)
-def test_bad_steps_raise_a_clear_error(steps, error, message):
-    with pytest.raises(error, match=message):
-        compute_ess_lr_steps(*_batch([0.0, 1.0, 2.0]), steps)
-
-
-# --- arm_steps on real optimizers -----------------------------------------------------------------
-
-SCALES = (0.5, 0.25, 0.8)
-
-
-def _results(scales=SCALES):
-    return [EssLrResult(scale=s, rho=s * s, ess=1.0, num_trajectories=4) for s in scales]
+def _step_tables(gen_seed=5):
+    """Three steps' tables, each of a different staleness: three different scales."""
+    batch = _random_batch(torch.Generator().manual_seed(gen_seed), 18, scale=0.6)
+    return [trajectory_stats(*_pick(batch, indices)) for indices in STEPS]
 
 
 @pytest.mark.usefixtures("world", "clean_ess")
@@ -279,9 +252,13 @@ def test_each_megatron_update_uses_its_own_steps_scale_exactly_once(kind):
 
     setup = build_megatron_optimizer(kind, optimizer="sgd")
     ess_patch.install("megatron")
-    ess_patch.arm_steps(_results())
-    assert ess_patch.armed().scale == SCALES[0]  # before the first step: the first step's
-    for step, scale in enumerate(SCALES):
+    config = EssLrConfig(granularity="step")
+    ledger.start(_run(config))
+    tables = _step_tables()
+    scales = [ledger.reduce_tables([t], None, _run(config)).scale for t in tables]
+    assert len(set(scales)) == 3 and max(scales) < 1
+    for step, (table, scale) in enumerate(zip(tables, scales, strict=True)):
+        ledger.add(table)  # what the policy-loss hook adds during the step's micro-batches
         x, y = batch(0, step)
         forward_backward(setup, x, y)
         before = [(g["lr"], p.detach().clone()) for g, p, _ in param_triples(setup.optimizer)]
@@ -291,14 +268,13 @@ def test_each_megatron_update_uses_its_own_steps_scale_exactly_once(kind):
             assert p1.grad is not None and p1.grad.abs().sum() > 0
             assert torch.equal(p1, p0.add(p1.grad, alpha=-(lr * scale))), (step, "not once")
         assert ess_patch.armed().scale == scale  # what a host logs after this step
-        assert ess_patch.armed_steps() is not None
         setup.scheduler.step(increment=1)
-    # a fourth step has no result: it raises before touching anything
+    # a step that no policy-loss call reached: it raises before touching anything
     x, y = batch(0, 3)
     forward_backward(setup, x, y)
     params = [p.detach().clone() for _, p, _ in param_triples(setup.optimizer)]
     lrs = [g["lr"] for g in setup.optimizer.param_groups]
-    with pytest.raises(ess_patch.StepCountError, match="optimizer step 4 of this rollout"):
+    with pytest.raises(RuntimeError, match="no policy-loss call reached ESS-LR"):
         setup.optimizer.step()
     assert all(
         torch.equal(a, p)
@@ -313,58 +289,41 @@ def test_a_skipped_step_takes_its_own_result():
 
     setup = build_megatron_optimizer("bf16", optimizer="adam", loss_scale=1.0)
     ess_patch.install("megatron")
-    ess_patch.arm_steps(_results())
-    records = train_steps(setup, 2, poison_steps=(0,))
+    config = EssLrConfig(granularity="step")
+    ledger.start(_run(config))
+    first, second = _step_tables()[:2]
+    ledger.add(first)
+    records = train_steps(setup, 1, poison_steps=(0,))
     assert records[0].update_successful is False  # (False, None, None): inf/nan grads
-    assert ess_patch.armed().scale == SCALES[1]  # the second update used the second result
-    assert ess_patch.state.STATE.step_index == 2
+    assert ess_patch.armed() == ledger.reduce_tables([first], None, _run(config))
+    ledger.add(second)
+    train_steps(setup, 1)
+    assert ess_patch.armed() == ledger.reduce_tables([second], None, _run(config))
 
 
 @pytest.mark.usefixtures("clean_ess")
-def test_a_torch_optimizer_attached_takes_one_result_per_step(caplog):
+def test_a_torch_optimizer_attached_takes_one_result_per_step():
     param = torch.nn.Parameter(torch.zeros(1))
     opt = ess_patch.attach(torch.optim.SGD([param], lr=1.0))
     other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     ess_patch.attach(other)
     ess_patch.exclude(other)
-    ess_patch.arm_steps([0.5, 0.25])
-    for scale in (0.5, 0.25):
+    ledger.start(_run(EssLrConfig(granularity="step")))
+    for log_ratios in ([0.0, 2.0], [0.0, 0.5]):
+        want = compute_ess_lr(*_batch(log_ratios)).scale
+        ledger.add(trajectory_stats(*_batch(log_ratios)))
         before = param.detach().clone()
         param.grad = torch.ones(1)
-        other.step()  # excluded: never scaled, takes no result
+        other.step()  # excluded: never scaled, reduces nothing
         opt.step()
-        assert torch.equal(param.detach(), before - scale)
+        assert torch.equal(param.detach(), before - want)
         assert opt.param_groups[0]["lr"] == 1.0
-    with pytest.raises(ess_patch.StepCountError, match="2 were armed"):
+    with pytest.raises(RuntimeError, match="no policy-loss call reached ESS-LR"):
         opt.step()
-    # fewer steps than results: said when the next rollout arms
-    ess_patch.arm_steps([0.5, 0.25, 0.125])
-    opt.step()
-    with caplog.at_level(logging.WARNING, logger="ess_patch"):
-        ess_patch.arm(0.5)
-    assert "had 3 per-step results but only 1 optimizer step(s) used them" in caplog.text
-    assert ess_patch.armed_steps() is None and ess_patch.armed().scale == 0.5
-
-
-@pytest.mark.usefixtures("clean_ess")
-def test_arm_steps_checks_scales_and_disarm_and_reset_drop_them():
-    with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
-        ess_patch.arm_steps([0.5, 1.5])
-    assert ess_patch.armed() is None and ess_patch.armed_steps() is None
-    ess_patch.arm_steps([0.5])
-    ess_patch.disarm()
-    assert ess_patch.armed() is None and ess_patch.armed_steps() is None
-    assert ess_patch.arm_steps([]) == () and ess_patch.armed() is None
-    ess_patch.arm_steps([0.5])
-    ess_patch.state.reset()
-    assert ess_patch.armed_steps() is None and ess_patch.state.STATE.step_index == 0
+    assert opt.param_groups[0]["lr"] == 1.0
 
 
 # --- the miles/slime hook and flags ---------------------------------------------------------------
-
-
-def _split(args, data, dp_size):
-    return [[0, 1], [2, 3]]
 
 
 STEPPED = Framework(
@@ -372,7 +331,7 @@ STEPPED = Framework(
     groups=lambda: Groups(None, 0, 1, None, None, True),
     no_input_reason=lambda args: None,
     unsupported_reason=lambda args: None,
-    step_samples=_split,
+    measure_in_loss=lambda args, data: None,  # the hook's log-probs are the current policy's
 )
 NO_STEPS = Framework(
     name="nosteps",
@@ -414,14 +373,13 @@ def test_bad_flags_are_refused(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_step_is_refused_where_the_split_is_unknown_and_with_shadow(clean_ess):
+def test_step_is_refused_where_there_is_no_loss_hook(clean_ess):
     args = Namespace(use_ess_lr=True, ess_lr_granularity="step")
     with pytest.raises(ValueError, match=r"granularity 'step'.*not supported with nosteps"):
         validate(NO_STEPS, args)
     validate(STEPPED, args)
-    shadow = Namespace(use_ess_lr=False, ess_lr_shadow=True, ess_lr_granularity="step")
-    with pytest.raises(ValueError, match="--ess-lr-shadow with granularity 'step'"):
-        validate(STEPPED, shadow)
+    # shadow mode logs each step's result, as --use-ess-lr would apply it
+    validate(STEPPED, Namespace(use_ess_lr=False, ess_lr_shadow=True, ess_lr_granularity="step"))
 
 
 def test_megatron_rl_refuses_step_granularity():
@@ -434,58 +392,42 @@ def test_megatron_rl_refuses_step_granularity():
         validate(MEGATRON_RL_FRAMEWORK, args)
 
 
-def test_the_hook_arms_one_result_per_step_and_logs_each_steps_own(clean_ess):
+@pytest.mark.parametrize("shadow", [False, True])
+def test_the_hook_measures_each_step_inside_the_loss_and_logs_each_steps_own(clean_ess, shadow):
+    """Granularity step: the hook arms nothing (its log-probs predate every update) and starts
+    the ledger; each step's result is the reference over that step's samples, logged after it
+    (shadow mode: as ess_lr_shadow_scale, never applied)."""
     lp, rlp, masks = _batch([0.0, 2.0, 0.1, 0.3])
     data = {"log_probs": lp, "rollout_log_probs": rlp, "loss_masks": masks}
-    args = Namespace(use_ess_lr=True, ess_lr_granularity="step", ess_lr_weight_mode="product")
-    hook = advantage_wrapper(STEPPED)
-    out = hook(lambda args, rollout_data: "advantages", None, (args, data), {})
-    assert out == "advantages"
-    refs = reference_steps(lp, rlp, masks, [[0, 1], [2, 3]], mode="product")
-    steps = ess_patch.armed_steps()
-    assert len(steps) == 2
-    for got, ref in zip(steps, refs, strict=True):
-        assert got.scale == pytest.approx(ref["scale"], rel=1e-12)
-    assert steps[0].scale < steps[1].scale < 1
+    args = Namespace(
+        use_ess_lr=not shadow,
+        ess_lr_shadow=shadow,
+        ess_lr_granularity="step",
+        ess_lr_weight_mode="product",
+    )
     param = torch.nn.Parameter(torch.zeros(1))
     opt = ess_patch.attach(torch.optim.SGD([param], lr=1.0))
-    logged = []
-    for step in steps:
+    hook = advantage_wrapper(STEPPED)
+    assert hook(lambda args, rollout_data: "advantages", None, (args, data), {}) == "advantages"
+    assert ess_patch.armed() is None and ledger.running() is not None
+    refs = reference_steps(lp, rlp, masks, [[0, 1], [2, 3]], mode="product")
+    assert refs[0]["scale"] < refs[1]["scale"] < 1
+    for indices, ref in zip([[0, 1], [2, 3]], refs, strict=True):
+        ledger.add(trajectory_stats(*_pick((lp, rlp, masks), indices)))  # the step's loss calls
+        before = param.detach().clone()
         param.grad = torch.ones(1)
         opt.step()
-        logged.append(ess_metrics())
-        assert logged[-1]["lr_scale"] == step.scale and logged[-1]["rho_ess"] == step.rho
-    # the rollout path is unchanged: one result for every step
+        logged = ess_metrics()
+        key = "ess_lr_shadow_scale" if shadow else "lr_scale"
+        assert logged[key] == pytest.approx(ref["scale"], rel=1e-12)
+        assert logged["rho_ess"] == pytest.approx(ref["rho"], rel=1e-12)
+        applied = 1.0 if shadow else ref["scale"]
+        assert torch.allclose(param.detach(), before - applied, rtol=0, atol=1e-12)
+    # the rollout granularity: one result at the hook, for every step
     args.ess_lr_granularity = "rollout"
     advantage_wrapper(STEPPED)(lambda args, rollout_data: None, None, (args, data), {})
-    assert ess_patch.armed_steps() is None
-    assert ess_patch.armed().scale == pytest.approx(
-        reference_ess(lp, rlp, masks, mode="product")["scale"], rel=1e-12
-    )
-
-
-# --- how miles and slime split a rollout into optimizer steps -------------------------------------
-
-
-def test_schedule_steps_joins_each_steps_micro_batches():
-    assert schedule_steps([2, 1], [[0, 3], [1], [2, 4]]) == [[0, 3, 1], [2, 4]]
-    data = {"num_microbatches": [1, 1], "micro_batch_indices": [[1, 0], [2]]}
-    assert slime_step_samples(None, data, 2) == [[1, 0], [2]]
-    with pytest.raises(ValueError, match=r"asks for 3 micro-batches but .* has 2"):
-        schedule_steps([2, 1], [[0], [1]])
-
-
-def test_miles_split_without_a_rollout_side_schedule():
-    data = {"total_lengths": [5] * 10}
-    static = Namespace(global_batch_size=8, micro_batch_size=2, use_dynamic_batch_size=False)
-    # dp 2: 4 local samples per step, 10 // 4 = 2 steps, trailing samples not trained on
-    assert miles_steps(static, data, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    # 3 local samples per step with micro-batches of 2: the iterator takes 2 per step
-    odd = Namespace(global_batch_size=6, micro_batch_size=2, use_dynamic_batch_size=False)
-    assert miles_steps(odd, data, 2) == [[0, 1], [2, 3], [4, 5]]
-    dynamic = Namespace(global_batch_size=6, micro_batch_size=1, use_dynamic_batch_size=True)
-    assert miles_steps(dynamic, data, 2) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
-    scheduled = {**data, "num_microbatches": [1, 1], "micro_batch_indices": [[0, 1], [2]]}
-    assert miles_steps(static, scheduled, 2) == [[0, 1], [2]]
-    with pytest.raises(ValueError, match="smaller than the data-parallel size"):
-        miles_steps(Namespace(global_batch_size=1), data, 2)
+    assert ledger.running() is None
+    if not shadow:
+        assert ess_patch.armed().scale == pytest.approx(
+            reference_ess(lp, rlp, masks, mode="product")["scale"], rel=1e-12
+        )
