@@ -15,13 +15,17 @@ from reference import reference_ess
 from ess_patch import EssLrConfig, compute_ess_lr
 from ess_patch.compute import compute_ess_lr_from_stats
 from ess_patch.estimator import trajectory_stats
-from ess_patch.integrations.loss_ledger import LedgerSource, steps_per_rollout_refusal
-from ess_patch.integrations.rl_hooks import Groups
+from ess_patch.integrations.loss_ledger import steps_per_rollout_refusal
+from ess_patch.ledger import LedgerRun, add, start
 from ess_patch.lr import step_wrapper
-from ess_patch.state import STATE, StepCountError, ledger_add, reset, set_step_source
+from ess_patch.state import STATE, StepCountError, reset, set_role
 
-ONE_RANK = Groups(None, 0, 1, None, None, True)
 CONFIG = EssLrConfig(weight_mode="product")
+
+
+def _start(config=CONFIG, reason="x", *, shadow=False, framework="slime"):
+    """A rollout measured inside the loss, on one rank."""
+    start(LedgerRun(framework=framework, reason=reason, config=config, shadow=shadow))
 
 
 @pytest.fixture(autouse=True)
@@ -76,13 +80,11 @@ def _step(optimizer):
 
 
 def test_each_step_applies_its_own_ledger_once_and_restores_the_lr():
-    args = Namespace(loss_type="policy_loss", ess_lr_granularity="step")
-    config = EssLrConfig(weight_mode="product", granularity="step")
-    set_step_source(LedgerSource("slime", args, ONE_RANK, config, "test"))
+    _start(EssLrConfig(weight_mode="product", granularity="step"))
     optimizer = _Optimizer()
     for seed in (1, 2):
         lp, rlp, masks = _samples(seed, 6)
-        ledger_add(trajectory_stats(lp, rlp, masks))
+        add(trajectory_stats(lp, rlp, masks))
         ref = reference_ess(lp, rlp, masks, mode="product")
         assert ref["scale"] < 0.9
         [lrs] = _step(optimizer)
@@ -93,13 +95,12 @@ def test_each_step_applies_its_own_ledger_once_and_restores_the_lr():
 
 
 def test_a_second_step_with_granularity_rollout_is_refused_before_any_update():
-    args = Namespace(loss_type="policy_loss")
-    set_step_source(LedgerSource("slime", args, ONE_RANK, CONFIG, "--keep-old-actor ..."))
+    _start(reason="--keep-old-actor ...")
     optimizer = _Optimizer()
     lp, rlp, masks = _samples(3, 4)
-    ledger_add(trajectory_stats(lp, rlp, masks))
+    add(trajectory_stats(lp, rlp, masks))
     assert len(_step(optimizer)) == 1
-    ledger_add(trajectory_stats(lp, rlp, masks))
+    add(trajectory_stats(lp, rlp, masks))
     seen = []
     with pytest.raises(StepCountError, match="--ess-lr-granularity step"):
         step_wrapper(lambda: seen.append(1), optimizer, (), {})
@@ -107,9 +108,7 @@ def test_a_second_step_with_granularity_rollout_is_refused_before_any_update():
 
 
 def test_a_step_without_any_policy_loss_call_fails_instead_of_logging_a_no_op():
-    set_step_source(
-        LedgerSource("miles", Namespace(loss_type="policy_loss"), ONE_RANK, CONFIG, "x")
-    )
+    _start(framework="miles")
     seen = []
     with pytest.raises(RuntimeError, match="no policy-loss call"):
         step_wrapper(lambda: seen.append(1), _Optimizer(), (), {})
@@ -117,14 +116,13 @@ def test_a_step_without_any_policy_loss_call_fails_instead_of_logging_a_no_op():
 
 
 def test_the_critic_is_never_measured_or_scaled():
-    # the critic sets loss_type only after its first advantage call: read at the step
-    args = Namespace(loss_type="policy_loss")
-    set_step_source(LedgerSource("slime", args, ONE_RANK, CONFIG, "x"))
-    args.loss_type = "value_loss"
+    # the critic's process takes its role in train_critic (rl_hooks.critic_wrapper)
+    _start()
+    set_role("critic")
     lp, rlp, masks = _samples(4, 4)
-    ledger_add(trajectory_stats(lp, rlp, masks))
+    add(trajectory_stats(lp, rlp, masks))
     [lrs] = _step(_Optimizer())
-    assert lrs == [0.1, 0.05] and STATE.armed is None and STATE.ledger == []
+    assert lrs == [0.1, 0.05] and STATE.armed is None and STATE.shadow is None
 
 
 def test_parse_time_refusals_name_the_flag():
@@ -142,10 +140,9 @@ def test_parse_time_refusals_name_the_flag():
 
 
 def test_shadow_mode_keeps_each_steps_result_and_changes_no_lr():
-    args = Namespace(loss_type="policy_loss")
-    set_step_source(LedgerSource("slime", args, ONE_RANK, CONFIG, "x", shadow=True))
+    _start(shadow=True)
     lp, rlp, masks = _samples(5, 5)
-    ledger_add(trajectory_stats(lp, rlp, masks))
+    add(trajectory_stats(lp, rlp, masks))
     [lrs] = _step(_Optimizer())
     ref = reference_ess(lp, rlp, masks, mode="product")
     assert lrs == [0.1, 0.05] and STATE.armed is None
@@ -158,12 +155,11 @@ def test_shadow_mode_with_several_steps_is_refused_naming_shadow_and_never_stops
     shadow = Namespace(num_steps_per_rollout=2, ess_lr_shadow=True)
     assert "drop --ess-lr-shadow" in steps_per_rollout_refusal(shadow, reason)
     # step count unknown at parse time: the second step logs its own result, changes no LR
-    args = Namespace(loss_type="policy_loss")
-    set_step_source(LedgerSource("slime", args, ONE_RANK, CONFIG, "x", shadow=True))
+    _start(shadow=True)
     optimizer = _Optimizer()
     for seed in (6, 7):
         lp, rlp, masks = _samples(seed, 4)
-        ledger_add(trajectory_stats(lp, rlp, masks))
+        add(trajectory_stats(lp, rlp, masks))
         [lrs] = _step(optimizer)
         ref = reference_ess(lp, rlp, masks, mode="product")
         assert lrs == [0.1, 0.05] and STATE.armed is None

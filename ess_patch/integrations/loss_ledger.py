@@ -27,7 +27,7 @@ ledger of the next step of the rollout.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import ledger
 from ..ledger import LedgerRun
@@ -35,9 +35,6 @@ from ..patching import Target
 from ..state import STATE
 from .binding import bind
 from .flags import config_from_args, shadow_requested
-
-if TYPE_CHECKING:
-    from .rl_hooks import Groups
 
 __all__ = [
     "log_probs_wrapper",
@@ -50,9 +47,10 @@ __all__ = [
 
 
 def start_run(
-    framework: str, args: Any, groups: Groups, reason: str, *, shadow: bool = False
+    framework: str, args: Any, groups: Any, reason: str, *, shadow: bool = False
 ) -> LedgerRun:
-    """Measure this rollout inside the policy loss (``reason``: why), over ``groups``."""
+    """Measure this rollout inside the policy loss (``reason``: why), over ``groups`` (an
+    ``rl_hooks.Groups``: the CP / DP / PP groups of this rank)."""
     run = LedgerRun(
         framework=framework,
         reason=reason,

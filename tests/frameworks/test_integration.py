@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared helpers
 from dist_helpers import CollectiveCounter
 from harness import run_ranks
-from reference import reference_ess, reference_steps
+from reference import reference_ess
 from rollouts import CP, DP, SHAPES, host_args, local_batch, rollout
 from upstream import (
     ENV_VARS,
@@ -377,10 +377,13 @@ def test_every_pipeline_stage_arms_the_last_stages_result(fw, snapshot, tmp_path
 
 
 def rank_advantage_hook_steps(fw: str) -> dict:
-    """Granularity step through the real advantage routine: this rank's 4 samples (global
-    ``dp_rank + 2k``) in two optimizer steps of the rollout-side schedule both frameworks read
-    (``num_microbatches``, ``micro_batch_indices``): step 0 = global samples 0-3, step 1 = 4-7."""
+    """Granularity step through the real advantage routine, on every rank of DP x CP: the
+    hook's log-probs predate every update of the rollout, so it arms nothing and issues no
+    collective; each step is measured inside the policy loss over the groups of this rank."""
+    import torch.distributed as dist
     from megatron.core import parallel_state as mpu
+
+    from ess_patch import ledger
 
     if fw == "miles":
         import miles.backends.training_utils.loss as loss
@@ -392,47 +395,46 @@ def rank_advantage_hook_steps(fw: str) -> dict:
         from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
     dp_rank = mpu.get_data_parallel_rank(with_context_parallel=False)
     dp_size = mpu.get_data_parallel_world_size(with_context_parallel=False)
-    mine, batch = local_batch(slice_log_prob_with_cp, dp_rank, dp_size)
-    batch["num_microbatches"] = [1, 1]
-    batch["micro_batch_indices"] = [[0, 1], [2, 3]]
+    _, batch = local_batch(slice_log_prob_with_cp, dp_rank, dp_size)
     _install(fw)
     args = host_args(fw, True)
     args.ess_lr_granularity = "step"
     _, calls = _advantages(loss.compute_advantages_and_returns, args, batch)
-    steps = ess_patch.armed_steps()
+    run = ledger.running()
+    out = {
+        "calls": calls,
+        "armed": ess_patch.armed(),
+        "reason": None if run is None else run.reason,
+        "groups": None
+        if run is None
+        else [
+            None if g is None else dist.get_process_group_ranks(g)
+            for g in (run.cp_group, run.dp_group)
+        ],
+        "cp": [
+            dist.get_process_group_ranks(g)
+            for g in (
+                mpu.get_context_parallel_group(),
+                mpu.get_data_parallel_group(with_context_parallel=False),
+            )
+        ],
+    }
+    ledger.stop()
     if not VENDORED:
         ess_patch.uninstall()
-    return {
-        "mine": mine,
-        "calls": calls,
-        "steps": None if steps is None else [(r.scale, r.rho, r.status) for r in steps],
-    }
+    return out
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("fw", _framework_params(LOSS))
-def test_advantage_hook_in_step_mode_arms_each_steps_reference_on_every_rank(fw, tmp_path):
+def test_advantage_hook_in_step_mode_measures_inside_the_loss_on_every_rank(fw, tmp_path):
+    """The per-step results themselves, through the real train loop and loss, are
+    tests/frameworks/test_ledger_matrix.py's."""
     results = run_ranks(rank_advantage_hook_steps, dp=DP, cp=CP, args=(fw,), tmp_path=tmp_path)
-    assert {tuple(r["mine"]) for r in results} == {(0, 2, 4, 6), (1, 3, 5, 7)}
-    full = rollout()
-    refs = reference_steps(
-        [s["log_probs"] for s in full],
-        [s["rollout_log_probs"] for s in full],
-        [s["loss_mask"] for s in full],
-        [[0, 1, 2, 3], [4, 5, 6, 7]],
-        mode="product",
-    )
-    armed = {tuple(r["steps"]) for r in results}
-    assert len(armed) == 1, armed  # every rank armed exactly the same two results
-    steps = armed.pop()
-    assert len(steps) == 2
-    for (scale, rho, status), ref in zip(steps, refs, strict=True):
-        assert status == "ok"
-        assert rho == pytest.approx(ref["rho"], rel=1e-6)
-        assert scale == pytest.approx(ref["scale"], rel=1e-6)
-    assert steps[0][0] != pytest.approx(steps[1][0], rel=1e-3)  # two steps, two scales
-    for r in results:  # CP: envelopes + table; DP: step counts + one [2 x summary] gather
-        assert r["calls"][-4:] == ["all_gather", "all_reduce", "all_gather", "all_gather"]
+    for r in results:
+        assert r["armed"] is None and r["calls"] == []  # nothing armed, no collective
+        assert "granularity 'step'" in r["reason"]
+        assert r["groups"] == r["cp"]  # the step reduces over this rank's CP and DP groups
 
 
 # --- the train step, logging, FSDP ------------------------------------------------------------
@@ -482,7 +484,7 @@ def _miles_train_step(monkeypatch, flags):
     actor_module.compute_advantages_and_returns(args, rollout)
     result = ess_patch.armed()
 
-    seen = {"steps": []}
+    seen = {}
 
     def fake_forward_backward(**kw):  # miles' GPT forward cannot run on CPU: one real backward
         model = kw["model"][0]
@@ -494,7 +496,6 @@ def _miles_train_step(monkeypatch, flags):
             (g["lr"], p.detach().clone(), m.main_grad.clone())  # fp32: the grad it will use
             for g, p, m in param_triples(setup.optimizer)
         ]
-        seen["steps"].append(seen["before"])
         return [{"keys": ["loss"], "values": torch.tensor([1.0, loss.item()])}]
 
     logged = []
@@ -516,51 +517,7 @@ def _miles_train_step(monkeypatch, flags):
         witness_info=None,
         attempt=0,
     )
-    seen["args"] = args
-    if "--ess-lr-granularity" in flags:
-        return result, seen, setup, logged
     return result, seen["before"], setup, logged
-
-
-@_needs(FULL, "miles")
-def test_miles_step_granularity_gives_each_optimizer_step_its_own_scale(
-    world, clean_ess, monkeypatch
-):
-    """--ess-lr-granularity step: miles splits the 8 samples into 2 optimizer steps of
-    global_batch_size 4; each update uses, and logs, the ESS of its own 4 samples."""
-    from megatron_cpu import param_triples
-
-    first, seen, setup, logged = _miles_train_step(
-        monkeypatch, ["--use-ess-lr", "--ess-lr-granularity", "step", "--global-batch-size", "4"]
-    )
-    assert (seen["args"].global_batch_size, len(seen["steps"])) == (4, 2)
-    rollout = _one_rollout_batch()
-    refs = reference_steps(
-        rollout["log_probs"],
-        rollout["rollout_log_probs"],
-        rollout["loss_masks"],
-        [[0, 1, 2, 3], [4, 5, 6, 7]],
-        mode="product",
-    )
-    scales = [ref["scale"] for ref in refs]
-    assert scales[0] != pytest.approx(scales[1], rel=1e-3) and max(scales) < 1.0
-    assert first.scale == pytest.approx(scales[0], rel=1e-9)
-    # step 0 moved the parameters from step 0's snapshot to step 1's; step 1 to the end
-    after = [[p for _, p, _ in seen["steps"][1]], [p for _, p, _ in param_triples(setup.optimizer)]]
-    used = [record["train/lr_scale"] for record in logged]  # checked against refs below
-    for step, scale in enumerate(used):
-        for (lr, p0, grad), p1 in zip(seen["steps"][step], after[step], strict=True):
-            assert grad.abs().sum() > 0
-            assert torch.equal(p1, p0.add(grad, alpha=-(lr * scale)))  # its own scale, once
-            other = used[1 - step]
-            assert not torch.equal(p1, p0.add(grad, alpha=-(lr * other)))
-    assert [r["train/step"] for r in logged] == [0, 1]
-    for record, ref in zip(logged, refs, strict=True):  # each step logs its own result
-        assert record["train/lr_scale"] == pytest.approx(ref["scale"], rel=1e-9)
-        assert record["train/rho_ess"] == pytest.approx(ref["rho"], rel=1e-9)
-        assert record["train/ess_num_trajectories"] == 4
-    for group in setup.optimizer.param_groups:
-        assert group["lr"] == setup.scheduler.get_lr(group)
 
 
 @_needs(FULL, "miles")

@@ -120,6 +120,28 @@ def test_slime_one_step_reuse_is_measured_inside_the_loss(slime_world, extra):
     assert refs[0]["scale"] != pytest.approx(refs[1]["scale"], rel=1e-3)
 
 
+# --- granularity step: always measured inside the loss ------------------------------------------
+
+
+def test_slime_step_granularity_measures_each_step_inside_the_loss(slime_world):
+    """--ess-lr-granularity step with the log-probs recomputed before the advantages: the hook
+    arms nothing (its log-probs are the weights before the rollout's first update); each
+    optimizer step's LR uses the ESS of the weights that step started from, on its own
+    mini-batch, as the real train loop split it."""
+    from ledger_run import slime_train
+
+    flags = ["--use-ess-lr", "--global-batch-size", "4", "--ess-lr-granularity", "step"]
+    run = slime_train(flags, rollouts=2, steps=2)
+    assert all(r["hook_log_probs"] is not None for r in run["rollouts"])  # recomputed
+    assert len(run["records"]) == len(run["logged"]) == 4
+    refs = _per_step_references(run)
+    for step, ref in enumerate(refs):
+        assert ref["scale"] < 0.9
+        _check_step(run, step, ref)
+    # the second step of a rollout: other samples, other weights than the hook's
+    assert refs[0]["scale"] != pytest.approx(refs[1]["scale"], rel=1e-3)
+
+
 # --- --keep-old-actor: the hook's log-probs are the old actor's -----------------------------------
 
 
@@ -215,6 +237,7 @@ NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]  # miles asks
             1,
             id="skip-forward",
         ),
+        pytest.param(["--global-batch-size", "4", "--ess-lr-granularity", "step"], 2, id="step"),
     ],
 )
 def test_miles_measures_the_current_policy_inside_the_loss(miles_world, flags, steps):
