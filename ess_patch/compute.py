@@ -148,7 +148,7 @@ def _rollout_result(
         error=error,
     )
     assert config is not None
-    return estimator.finalize(estimator.combine(summaries), config)
+    return estimator.result(summaries, config)
 
 
 def _across_stages(
@@ -252,7 +252,8 @@ def compute_ess_lr_from_stats(
         everything :func:`compute_ess_lr` raises, on the same ranks.
     """
     config = _check_config(config)
-    distributed = group_size(cp_group, "CP") > 1 or group_size(dp_group, "DP") > 1
+    sizes = group_size(cp_group, "CP"), group_size(dp_group, "DP")
+    distributed = max(sizes) > 1
     if error is None:
         try:
             if trajectory_stats is None:
@@ -276,8 +277,9 @@ def compute_ess_lr_from_stats(
         config=config,
         cp_group=cp_group,
         dp_group=dp_group,
+        sizes=sizes,
     )
-    return estimator.finalize(estimator.combine(summaries), config)
+    return estimator.result(summaries, config)
 
 
 def _reduce(
@@ -294,7 +296,8 @@ def _reduce(
     """Every DP rank's summary row, ``[DP, SUMMARY_SIZE]``, or the error every rank must
     raise. ``error``: a fault this rank already has (raised at once in a single process;
     else it joins every collective flagged, naming the rank it came from, then re-raises it)."""
-    distributed = group_size(cp_group, "CP") > 1 or group_size(dp_group, "DP") > 1
+    sizes = group_size(cp_group, "CP"), group_size(dp_group, "DP")
+    distributed = max(sizes) > 1
     missing = log_probs is None or rollout_log_probs is None
     if error is not None and not distributed:
         raise error
@@ -305,7 +308,7 @@ def _reduce(
         if prepare_masks is not None and loss_masks is not None:
             loss_masks = prepare_masks(loss_masks)
         if missing:
-            stats = _missing_table(log_probs, rollout_log_probs, loss_masks, cp_group)
+            stats = _missing_table(log_probs, rollout_log_probs, loss_masks, sizes[0])
         else:
             if loss_masks is None:
                 raise ValueError("loss_masks is None but log-probs were given; pass the masks too")
@@ -315,7 +318,13 @@ def _reduce(
             raise
         error = exc  # still enter every collective, so that the peers fail with us
     return _reduce_table(
-        stats, missing=missing, error=error, config=config, cp_group=cp_group, dp_group=dp_group
+        stats,
+        missing=missing,
+        error=error,
+        config=config,
+        cp_group=cp_group,
+        dp_group=dp_group,
+        sizes=sizes,
     )
 
 
@@ -327,14 +336,16 @@ def _reduce_table(
     config: EssLrConfig | None,
     cp_group: object | None,
     dp_group: object | None,
+    sizes: tuple[int, int],
 ) -> torch.Tensor:
     """The collectives of :func:`_reduce` on a prepared ``[B, 3]`` trajectory table (None
     with ``error`` set: this rank failed to prepare it, and still enters every collective;
-    ``config`` None: this rank's config was not an EssLrConfig, it fails in the envelope)."""
-    dp_size = group_size(dp_group, "DP")
+    ``config`` None: this rank's config was not an EssLrConfig, it fails in the envelope;
+    ``sizes``: the CP and DP group sizes)."""
+    cp_size, dp_size = sizes
     origin = None if error is None else origin_rank(error)
     fault: Exception | None = None
-    if group_size(cp_group, "CP") > 1:
+    if cp_size > 1:
         envelopes = exchange_envelopes(
             envelope(
                 failed=error is not None,
@@ -414,12 +425,12 @@ def _missing_table(
     log_probs: Sequence[torch.Tensor] | None,
     rollout_log_probs: Sequence[torch.Tensor] | None,
     loss_masks: Sequence[torch.Tensor] | None,
-    cp_group: object | None,
+    cp_size: int,
 ) -> torch.Tensor:
     """A zero table of the right height, so a rank with missing inputs can join the CP sum."""
     known = next((s for s in (loss_masks, log_probs, rollout_log_probs) if s is not None), None)
     if known is None:
-        if group_size(cp_group, "CP") > 1:
+        if cp_size > 1:
             raise ValueError(
                 "compute_ess_lr: all inputs are None on a rank of a CP group of size > 1; pass "
                 "loss_masks so that this rank joins its CP peers' reduction with the right size"

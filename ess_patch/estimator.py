@@ -37,6 +37,7 @@ __all__ = [
     "NonFiniteLogProbError",
     "combine",
     "finalize",
+    "result",
     "summarize",
     "trajectory_stats",
     "validate_inputs",
@@ -373,3 +374,9 @@ def finalize(summary: torch.Tensor, config: EssLrConfig) -> EssLrResult:
     raw = math.sqrt(ratio) if config.rule == "sqrt" else ratio
     scale = min(1.0, max(config.floor, raw))
     return EssLrResult(scale=scale, rho=rho, ess=ess, num_trajectories=n_valid, num_empty=n_empty)
+
+
+def result(summaries: torch.Tensor, config: EssLrConfig) -> EssLrResult:
+    """The result of every rank's summaries (``[R, SUMMARY_SIZE]``): :func:`combine`, then
+    :func:`finalize`."""
+    return finalize(combine(summaries), config)

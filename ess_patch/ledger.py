@@ -24,7 +24,7 @@ from .config import EssLrConfig
 from .result import EssLrResult, check_scale
 from .state import STATE, StepCountError, is_scaled
 
-__all__ = ["LedgerRun", "add", "begin_step", "fail", "running", "start", "stop"]
+__all__ = ["LedgerRun", "add", "begin_step", "fail", "new_rollout", "running", "start", "stop"]
 
 logger = logging.getLogger(__name__)
 
@@ -170,3 +170,13 @@ def reduce_tables(tables: list, error: BaseException | None, run: LedgerRun) -> 
     except Exception as exc:
         failure = exc  # the other pipeline stages learn of it through the broadcast
     return broadcast_from_last_stage(out, run.pp_group, config=run.config, error=failure)
+
+
+def new_rollout(*, shadow: bool = False) -> None:
+    """Forget the previous rollout before a new one is measured: its ledger, its shadow
+    result and (unless ``shadow``: shadow mode never touches what the step applies) its
+    armed scale."""
+    stop()
+    STATE.shadow = None
+    if not shadow:
+        STATE.armed = None

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import ledger
+from ..config import EssLrConfig
 from ..ledger import LedgerRun
 from ..patching import Target
 from ..state import STATE
@@ -47,14 +48,20 @@ __all__ = [
 
 
 def start_run(
-    framework: str, args: Any, groups: Any, reason: str, *, shadow: bool = False
+    framework: str,
+    args: Any,
+    config: EssLrConfig,
+    groups: Any,
+    reason: str,
+    *,
+    shadow: bool = False,
 ) -> LedgerRun:
     """Measure this rollout inside the policy loss (``reason``: why), over ``groups`` (an
     ``rl_hooks.Groups``: the CP / DP / PP groups of this rank)."""
     run = LedgerRun(
         framework=framework,
         reason=reason,
-        config=config_from_args(args),
+        config=config,
         cp_group=groups.cp_group,
         dp_group=groups.dp_group,
         pp_group=groups.pp_group,
@@ -66,10 +73,10 @@ def start_run(
     return run
 
 
-def per_step_reason(args: Any) -> str | None:
+def per_step_reason(config: EssLrConfig) -> str | None:
     """Granularity "step" is always measured inside the loss: each step over its own
     mini-batch, as the host's train loop really splits it."""
-    if config_from_args(args).granularity == "step":
+    if config.granularity == "step":
         return "granularity 'step' measures each optimizer step's mini-batch inside the loss"
     return None
 

@@ -38,6 +38,7 @@ from ..attach import attach
 from ..patching import Target
 from . import Integration
 from .binding import bind, call_with
+from .flags import config_from_args
 from .loss_ledger import loss_targets, per_step_reason, steps_per_rollout_refusal
 from .rl_hooks import (
     Framework,
@@ -250,7 +251,7 @@ def _measure_in_loss(args: Any, _rollout_data: Any) -> str | None:
 def _no_input_reason(args: argparse.Namespace) -> str | None:
     # Every policy-loss configuration gets measured: at the advantage hook, or inside the loss
     # (_measure_in_loss). What remains: one ESS per rollout of several steps, inside the loss.
-    reason = _measure_in_loss(args, None) or per_step_reason(args)
+    reason = _measure_in_loss(args, None) or per_step_reason(config_from_args(args))
     if reason is not None and getattr(args, "train_backend", "megatron") == "fsdp":
         return f"{reason}, and the FSDP backend is not measured inside its loss yet"
     return steps_per_rollout_refusal(args, reason)

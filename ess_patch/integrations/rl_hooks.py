@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from .. import ledger
+from ..config import EssLrConfig
 from ..patching import MissingTargetError, Target
 from ..result import EssLrResult
 from ..state import STATE, arm, armed, check_something_applies, disarm, set_role
@@ -201,51 +202,50 @@ def advantage_wrapper(framework: Framework) -> Callable[..., Any]:
             )
         host_args = call.arguments.get("args")
         rollout_data = call.arguments.get("rollout_data")
-        if not getattr(host_args, "use_ess_lr", False):
-            if not shadow_requested(host_args):
-                return wrapped(*args, **kwargs)  # disabled: no collective, no state change
-            STATE.shadow = None  # a failed rollout must not leave the previous one's logs
-            ledger.stop()
-            out = wrapped(*args, **kwargs)
-            if is_critic(host_args):
-                set_role("critic")
-                return out
-            # the same collectives as enabled; nothing the optimizer wrappers read is touched
-            groups = framework.groups_for(call.arguments)
-            if _start_ledger(framework, host_args, rollout_data, groups, shadow=True):
-                return out
-            STATE.shadow = compute_from_rollout(framework, host_args, rollout_data, groups=groups)
-            return out
-        disarm()  # if anything below raises, the previous rollout's scale is not reused
-        ledger.stop()  # nor its ledger
+        enabled = bool(getattr(host_args, "use_ess_lr", False))
+        if not enabled and not shadow_requested(host_args):
+            return wrapped(*args, **kwargs)  # disabled: no collective, no state change
+        # if anything below raises, nothing of the previous rollout is reused (shadow mode
+        # forgets only its own result: nothing the optimizer wrappers read is touched)
+        ledger.new_rollout(shadow=not enabled)
         out = wrapped(*args, **kwargs)
         if is_critic(host_args):
             set_role("critic")  # the critic is never scaled
-            disarm()
             return out
         groups = framework.groups_for(call.arguments)
-        if _start_ledger(framework, host_args, rollout_data, groups, shadow=False):
+        config = config_from_args(host_args)
+        if _start_ledger(framework, host_args, config, rollout_data, groups, shadow=not enabled):
             return out
-        arm_from_rollout(framework, host_args, rollout_data, groups=groups)
+        result = compute_from_rollout(framework, host_args, rollout_data, groups, config)
+        if enabled:
+            arm(result)
+        else:
+            STATE.shadow = result  # logged, never applied
         return out
 
     return wrapper
 
 
 def _start_ledger(
-    framework: Framework, args: Any, rollout_data: Any, groups: Groups, *, shadow: bool
+    framework: Framework,
+    args: Any,
+    config: EssLrConfig,
+    rollout_data: Any,
+    groups: Groups,
+    *,
+    shadow: bool,
 ) -> bool:
     """Granularity "step", or a rollout whose log-probs at the hook are not the current
     policy's: measure inside the policy loss from now on (every rank decides alike, from the
     args and the step count); returns whether it does."""
     if framework.measure_in_loss is None:
         return False
-    reason = framework.measure_in_loss(args, rollout_data) or per_step_reason(args)
+    reason = framework.measure_in_loss(args, rollout_data) or per_step_reason(config)
     if reason is None:
         return False
     if not shadow:  # what arm() says when nothing would apply the step's scale
         check_something_applies()
-    start_run(framework.name, args, groups, reason, shadow=shadow)
+    start_run(framework.name, args, config, groups, reason, shadow=shadow)
     logger.debug("ess-patch (%s): measuring inside the policy loss: %s", framework.name, reason)
     return True
 
@@ -259,24 +259,29 @@ def arm_from_rollout(
     every rank of the actor, CP, DP and PP alike, and leaves nothing armed.
     """
     disarm()  # a failed rollout must not leave the previous rollout's scale armed
-    return arm(compute_from_rollout(framework, args, rollout_data, groups=groups))
+    return arm(compute_from_rollout(framework, args, rollout_data, groups))
 
 
 def compute_from_rollout(
-    framework: Framework, args: Any, rollout_data: dict, *, groups: Groups | None = None
+    framework: Framework,
+    args: Any,
+    rollout_data: dict,
+    groups: Groups | None = None,
+    config: EssLrConfig | None = None,
 ) -> EssLrResult:
     """This rollout's result, identical on every rank of the actor (arms nothing): one
     ``compute_ess_lr`` call on every pipeline stage, so that a fault on any rank of
     DP x CP x PP reaches every rank.
 
-    ``groups``: the process groups (default: ``framework.groups()``)."""
+    ``groups``: the process groups (default: ``framework.groups()``); ``config``: the settings
+    (default: from ``args``)."""
     # Imported here: install() (run at start-up by the auto-install) must not import torch.
     from ..compute import compute_ess_lr
 
     groups = framework.groups() if groups is None else groups
     out = compute_ess_lr(
         *(rollout_data.get(k) for k in ("log_probs", "rollout_log_probs", "loss_masks")),
-        config=config_from_args(args),
+        config=config_from_args(args) if config is None else config,
         cp_group=groups.cp_group,
         dp_group=groups.dp_group,
         pp_group=groups.pp_group,

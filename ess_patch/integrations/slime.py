@@ -26,6 +26,7 @@ from typing import Any
 from ..patching import Target
 from . import Integration
 from .binding import bind, call_with
+from .flags import config_from_args
 from .loss_ledger import loss_targets, per_step_reason, steps_per_rollout_refusal
 from .rl_hooks import (
     METRIC_PREFIX,
@@ -147,7 +148,9 @@ def _measure_in_loss(args: Any, rollout_data: Any) -> str | None:
 def _no_input_reason(args: argparse.Namespace) -> str | None:
     # Every policy-loss configuration gets measured: at the advantage hook, or inside the loss
     # (_measure_in_loss). What remains: one ESS per rollout of several steps, inside the loss.
-    return steps_per_rollout_refusal(args, _measure_in_loss(args, None) or per_step_reason(args))
+    return steps_per_rollout_refusal(
+        args, _measure_in_loss(args, None) or per_step_reason(config_from_args(args))
+    )
 
 
 SLIME_FRAMEWORK = Framework(
