@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ def compute_ess_lr(
     cp_group: object | None = None,
     dp_group: object | None = None,
     pp_group: object | None = None,
-    prepare_masks: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] | None = None,
+    error: BaseException | None = None,
 ) -> EssLrResult:
     """ESS, rho and LR scale of one rollout, identical on every rank.
 
@@ -67,8 +67,11 @@ def compute_ess_lr(
             the last stage's inputs are used; a non-last stage passes None, or inputs that
             are then checked as on the last stage (a bad one is a fault like any other) and
             otherwise ignored.
-        prepare_masks: applied to ``loss_masks`` first, under the same error handling as
-            the validation (e.g. slicing full-length masks to this CP rank's tokens).
+        error: this rank already failed to prepare its inputs (e.g. slicing full-length
+            masks to its CP chunk): it still enters every collective, flagged, then raises
+            ``error``, and every peer raises
+            :class:`~ess_patch.estimator.InvalidInputsElsewhereError` (in a single process it
+            is raised at once).
 
     A rank whose ``log_probs`` or ``rollout_log_probs`` is None has missing inputs: it
     still enters every collective and every rank returns the no-op (``status="missing"``).
@@ -102,7 +105,8 @@ def compute_ess_lr(
     :func:`~ess_patch.reduction.broadcast_from_last_stage` with ``error=`` what this raised)
     covers faults of the last stage only; prefer ``pp_group``.
     """
-    config, error = _checked_config(config)
+    config, config_error = _checked_config(config)
+    error = error if error is not None else config_error
     if pp_group is not None:
         return _across_stages(
             (log_probs, rollout_log_probs, loss_masks),
@@ -111,7 +115,6 @@ def compute_ess_lr(
             cp_group=cp_group,
             dp_group=dp_group,
             pp_group=pp_group,
-            prepare_masks=prepare_masks,
         )
     return _rollout_result(
         (log_probs, rollout_log_probs, loss_masks),
@@ -119,7 +122,6 @@ def compute_ess_lr(
         error=error,
         cp_group=cp_group,
         dp_group=dp_group,
-        prepare_masks=prepare_masks,
     )
 
 
@@ -135,7 +137,6 @@ def _rollout_result(
     error: BaseException | None,
     cp_group: object | None,
     dp_group: object | None,
-    prepare_masks: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] | None,
 ) -> EssLrResult:
     """One stage's rollout result over its CP and DP groups (``error``: a fault this rank
     already has; it still joins every collective, flagged)."""
@@ -144,7 +145,6 @@ def _rollout_result(
         config=config,  # type: ignore[arg-type]  # None only with an error: never read
         cp_group=cp_group,
         dp_group=dp_group,
-        prepare_masks=prepare_masks,
         error=error,
     )
     assert config is not None
@@ -159,7 +159,6 @@ def _across_stages(
     cp_group: object | None,
     dp_group: object | None,
     pp_group: object,
-    prepare_masks: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] | None,
 ) -> EssLrResult:
     """:func:`compute_ess_lr` on every pipeline stage.
 
@@ -167,14 +166,14 @@ def _across_stages(
     that stage reduces over CP and DP, so that it travels on, flagged, to every other rank
     of the last stage; the second exchange then brings the outcome back to every stage.
     """
-    options = {"cp_group": cp_group, "dp_group": dp_group, "prepare_masks": prepare_masks}
+    options = {"cp_group": cp_group, "dp_group": dp_group}
     pp_size = group_size(pp_group, "PP")
     if pp_size <= 1:
         return _rollout_result(inputs, config=config, error=error, **options)
     is_last = dist.get_rank(pp_group) == pp_size - 1
     if not is_last and error is None:
         try:
-            _check_unused_inputs(inputs, config, dp_group, prepare_masks)  # type: ignore[arg-type]
+            _check_unused_inputs(inputs, config, dp_group)  # type: ignore[arg-type]
         except Exception as exc:
             error = exc
     rows = all_gather_rows(envelope(failed=error is not None, config=config), pp_group, "PP")
@@ -208,15 +207,12 @@ def _check_unused_inputs(
     inputs: _Inputs,
     config: EssLrConfig,
     dp_group: object | None,
-    prepare_masks: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] | None,
 ) -> None:
     """A non-last stage's inputs, when it passes both log-probs: checked as the last stage
-    checks its own (types, shapes, mask slicing, non-finite values), then dropped."""
+    checks its own (types, shapes, non-finite values), then dropped."""
     log_probs, rollout_log_probs, loss_masks = inputs
     if log_probs is None or rollout_log_probs is None:
         return  # the usual case: only the last stage has log-probs
-    if prepare_masks is not None and loss_masks is not None:
-        loss_masks = prepare_masks(loss_masks)
     if loss_masks is None:
         raise ValueError("loss_masks is None but log-probs were given; pass the masks too")
     stats = estimator.trajectory_stats(log_probs, rollout_log_probs, loss_masks)
@@ -290,7 +286,6 @@ def _reduce(
     config: EssLrConfig,
     cp_group: object | None,
     dp_group: object | None,
-    prepare_masks: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] | None,
     error: BaseException | None = None,
 ) -> torch.Tensor:
     """Every DP rank's summary row, ``[DP, SUMMARY_SIZE]``, or the error every rank must
@@ -305,8 +300,6 @@ def _reduce(
     try:
         if error is not None:
             raise error
-        if prepare_masks is not None and loss_masks is not None:
-            loss_masks = prepare_masks(loss_masks)
         if missing:
             stats = _missing_table(log_probs, rollout_log_probs, loss_masks, sizes[0])
         else:

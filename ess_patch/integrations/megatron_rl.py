@@ -388,13 +388,6 @@ def _packed_inputs(old: Any, packed_inference: Any, packed_loss_mask: Any, fille
 # --- the ESS of one collection, agreed on every rank -------------------------------------------
 
 
-def _raising(error: BaseException) -> Callable[[Any], Any]:
-    def prepare(_masks: Any) -> Any:
-        raise error
-
-    return prepare
-
-
 def _agree(result: Any, error: BaseException | None, group: Any, name: str, config: Any) -> Any:
     """One all-gather over ``group`` of each rank's envelope and result: the error this rank
     must raise (a peer's failure, other settings, another result), or None."""
@@ -429,19 +422,16 @@ def _compute_and_arm(args: Any, build: Callable[[], Rows], shadow: bool = False)
     groups = MEGATRON_RL_FRAMEWORK.groups()
     config = config_from_args(args)
     inputs: Rows = ([], [], [])
-    prepare = None
+    fault: BaseException | None = None
     try:
         inputs = build()
-    except Exception as exc:
-        wrapped = exc if isinstance(exc, ValueError) else ValueError(f"ess-patch ({NAME}): {exc}")
-        prepare = _raising(wrapped)  # inside compute_ess_lr: its DP peers learn of it
+    except Exception as exc:  # inside compute_ess_lr's collectives: its DP peers learn of it
+        fault = exc if isinstance(exc, ValueError) else ValueError(f"ess-patch ({NAME}): {exc}")
     error: BaseException | None = None
     result = None
     try:
         # every stage holds the rows: each computes over its DP group (no PP broadcast)
-        result = compute_ess_lr(
-            *inputs, config=config, dp_group=groups.dp_group, prepare_masks=prepare
-        )
+        result = compute_ess_lr(*inputs, config=config, dp_group=groups.dp_group, error=fault)
     except Exception as exc:
         if group_size(groups.cp_group) <= 1 and group_size(groups.pp_group) <= 1:
             raise

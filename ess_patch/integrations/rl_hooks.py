@@ -279,44 +279,46 @@ def compute_from_rollout(
     from ..compute import compute_ess_lr
 
     groups = framework.groups() if groups is None else groups
+    masks, error = rollout_data.get("loss_masks"), None
+    try:
+        masks = _local_masks(masks, groups, args, rollout_data)
+    except Exception as exc:  # raised inside compute_ess_lr's collectives, on every rank
+        error = exc
     out = compute_ess_lr(
-        *(rollout_data.get(k) for k in ("log_probs", "rollout_log_probs", "loss_masks")),
+        rollout_data.get("log_probs"),
+        rollout_data.get("rollout_log_probs"),
+        masks,
         config=config_from_args(args) if config is None else config,
         cp_group=groups.cp_group,
         dp_group=groups.dp_group,
         pp_group=groups.pp_group,
-        prepare_masks=_mask_preparer(groups, args, rollout_data),
+        error=error,
     )
     if out.status == "missing":
         _warn_missing(framework, rollout_data)
     return out
 
 
-def _mask_preparer(groups: Groups, args: Any, rollout_data: dict) -> Callable[[Any], list] | None:
-    """Under CP: slice the full-length loss masks to this CP rank's tokens."""
+def _local_masks(masks: Any, groups: Groups, args: Any, rollout_data: dict) -> Any:
+    """Under CP: the full-length loss masks sliced to this CP rank's tokens."""
     from ..cp_slicing import local_response_masks
 
-    if groups.cp_size <= 1:
-        return None
-
-    def prepare(masks: Any) -> list:
-        # Raised here, a fault reaches every rank through the collectives.
-        lengths = [rollout_data.get(k) for k in ("total_lengths", "response_lengths")]
-        if None in lengths:
-            raise ValueError(
-                "rollout_data has loss_masks but no total_lengths/response_lengths: "
-                "ESS-LR cannot slice the masks to this CP rank's tokens"
-            )
-        return local_response_masks(
-            masks,
-            *lengths,
-            groups.cp_rank,
-            groups.cp_size,
-            qkv_format=getattr(args, "qkv_format", "thd"),
-            max_seq_lens=rollout_data.get("max_seq_lens"),
+    if groups.cp_size <= 1 or masks is None:
+        return masks
+    lengths = [rollout_data.get(k) for k in ("total_lengths", "response_lengths")]
+    if None in lengths:
+        raise ValueError(
+            "rollout_data has loss_masks but no total_lengths/response_lengths: "
+            "ESS-LR cannot slice the masks to this CP rank's tokens"
         )
-
-    return prepare
+    return local_response_masks(
+        masks,
+        *lengths,
+        groups.cp_rank,
+        groups.cp_size,
+        qkv_format=getattr(args, "qkv_format", "thd"),
+        max_seq_lens=rollout_data.get("max_seq_lens"),
+    )
 
 
 #: What to change when a rollout reaches the hook without one of the two log-prob inputs.

@@ -236,27 +236,20 @@ def _tensors(data: Any) -> tuple[Any, Any, Any]:
     return batch["old_log_probs"], batch["rollout_log_probs"], mask
 
 
-def _prepare(fault: Exception | None, old: Any, rollout: Any) -> Callable[[Any], Any]:
-    """``prepare_masks`` for :func:`compute_ess_lr`, run under its error handling, so that
-    what it raises reaches every DP rank: this rank's ``fault`` (a missing key), or a refusal
-    when the old log-probs ARE the rollout log-probs on every counted token."""
+def _check_not_bypassed(old: Any, rollout: Any, mask: Any) -> None:
+    """A refusal when the old log-probs ARE the rollout log-probs on every counted token."""
+    import torch
 
-    def prepare(masks: Any) -> Any:
-        import torch
-
-        if fault is not None:
-            raise fault
-        mask = torch.stack([m.bool() for m in masks]) if len(masks) else None
-        if mask is not None and bool(mask.any()) and torch.equal(old[mask], rollout[mask]):
-            raise ValueError(
-                "ESS-LR (verl): old_log_probs equal rollout_log_probs on every token "
-                "(algorithm.rollout_correction.bypass_mode=True copies them): the ratio is "
-                "1 and the ESS would measure nothing. Turn bypass_mode off (verl then "
-                "recomputes old_log_probs with the current weights) or ESS-LR off"
-            )
-        return masks
-
-    return prepare
+    if mask is None or not len(mask):
+        return
+    counted = torch.stack([m.bool() for m in mask])
+    if bool(counted.any()) and torch.equal(old[counted], rollout[counted]):
+        raise ValueError(
+            "ESS-LR (verl): old_log_probs equal rollout_log_probs on every token "
+            "(algorithm.rollout_correction.bypass_mode=True copies them): the ratio is "
+            "1 and the ESS would measure nothing. Turn bypass_mode off (verl then "
+            "recomputes old_log_probs with the current weights) or ESS-LR off"
+        )
 
 
 def compute_batch(data: Any, config: EssLrConfig, groups: Groups | None = None) -> EssLrResult:
@@ -274,15 +267,11 @@ def compute_batch(data: Any, config: EssLrConfig, groups: Groups | None = None) 
             old = rollout = mask = None
             try:
                 old, rollout, mask = _tensors(data)
-            except ValueError as exc:  # still enter the DP collectives, flagged
+                _check_not_bypassed(old, rollout, mask)
+            except Exception as exc:  # still enter the DP collectives, flagged
                 fault = exc
             rows = [[] if t is None else list(t) for t in (old, rollout, mask)]
-            out = compute_ess_lr(
-                *rows,
-                config=config,
-                dp_group=groups.dp_group,
-                prepare_masks=_prepare(fault, old, rollout),
-            )
+            out = compute_ess_lr(*rows, config=config, dp_group=groups.dp_group, error=fault)
     except Exception as exc:
         error = exc  # the other pipeline stages learn of it through the broadcast
     return broadcast_from_last_stage(out, groups.pp_group, config=config, error=error)
