@@ -15,8 +15,10 @@ the math sits at the bottom and the integrations near the top. The path is recor
   the wrapped ``get_log_probs_and_entropy``), one ``optimizer.step()`` decides and applies.
 
 Counted on the sequence of ess_patch modules control passes through (consecutive repeats
-collapsed): *returns*, entries into a module the path had already left; *climbs*, calls from a
-module into one of a higher level (a callback up the layering), with the largest such jump.
+collapsed): *returns*, entries into a module the path had already left (a callee returning
+included); *re-entries*, those of them that are calls (control sent back into a module it had
+finished with); *climbs*, calls from a module into one of a higher level (a callback up the
+layering), with the largest such jump. ``tests/test_layering.py`` holds the bounds.
 """
 
 from __future__ import annotations
@@ -123,11 +125,12 @@ def count(events: list[tuple[str, str, str | None]], level: dict[str, int]) -> d
         if not path or path[-1][1] != event[1]:
             path.append(event)
     left: set[str] = set()
-    returns = climbs = widest = 0
+    returns = reentries = climbs = widest = 0
     for (_, prev, _), (event, module, caller) in itertools.pairwise(path):
         left.add(prev)
         if module in left:
             returns += 1
+            reentries += event == "call"
         if event == "call" and caller is not None and level[module] > level[caller]:
             climbs += 1
             widest = max(widest, level[module] - level[caller])
@@ -136,10 +139,22 @@ def count(events: list[tuple[str, str, str | None]], level: dict[str, int]) -> d
         "modules": len(modules),
         "hops": len(path) - 1,
         "returns": returns,
+        "re-entries": reentries,
         "climbs": climbs,
         "widest climb": widest,
         "path": " > ".join(m.removeprefix("ess_patch.") for _, m, _ in path),
     }
+
+
+def rollout() -> dict:
+    """The traced rollout: 4 trajectories of 8 tokens, fixed seed."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    lp = [torch.randn(8, generator=gen) - 2 for _ in range(4)]
+    rlp = [x + 0.5 * torch.randn(8, generator=gen) for x in lp]
+    masks = [torch.ones(8, dtype=torch.int64) for _ in range(4)]
+    return {"log_probs": lp, "rollout_log_probs": rlp, "loss_masks": masks}
 
 
 def scenarios():
@@ -151,11 +166,8 @@ def scenarios():
     from ess_patch.integrations.rl_hooks import Framework, Groups, advantage_wrapper
     from ess_patch.state import reset
 
-    gen = torch.Generator().manual_seed(0)
-    lp = [torch.randn(8, generator=gen) - 2 for _ in range(4)]
-    rlp = [x + 0.5 * torch.randn(8, generator=gen) for x in lp]
-    masks = [torch.ones(8, dtype=torch.int64) for _ in range(4)]
-    data = {"log_probs": lp, "rollout_log_probs": rlp, "loss_masks": masks}
+    data = rollout()
+    lp, rlp, masks = (data[k] for k in ("log_probs", "rollout_log_probs", "loss_masks"))
     options = {}
     if "step_samples" in Framework.__dataclass_fields__:  # ess-patch 0.1: a split at the hook
         options["step_samples"] = lambda args, rollout_data, dp_size: [[0, 1, 2, 3]]
@@ -169,9 +181,11 @@ def scenarios():
     )
 
     def one(granularity: str):
-        reset()
-        param = torch.nn.Parameter(torch.zeros(2))
-        optimizer = ess_patch.attach(torch.optim.SGD([param], lr=1.0))
+        def fresh():
+            reset()
+            param = torch.nn.Parameter(torch.zeros(2))
+            return param, ess_patch.attach(torch.optim.SGD([param], lr=1.0))
+
         args = Namespace(use_ess_lr=True, ess_lr_granularity=granularity, loss_type="policy_loss")
         hook = advantage_wrapper(framework)
 
@@ -182,7 +196,7 @@ def scenarios():
             loss_ledger.log_probs_wrapper(get_log_probs_and_entropy, None, (), {})
             return torch.zeros(())
 
-        def run():
+        def run(param, optimizer, applied):
             hook(lambda args, rollout_data: None, None, (args, data), {})
             batch = {"rollout_log_probs": rlp, "loss_masks": masks}
             if granularity == "step":
@@ -191,26 +205,37 @@ def scenarios():
                 )
             param.grad = torch.ones(2)
             optimizer.step()
+            applied.append(float(-param.detach()[0]))  # SGD: the step is the applied LR
 
-        run()  # warm: first calls import lazily
-        reset()
-        events = record(run)
+        run(*fresh(), [])  # warm: first calls import lazily
+        param, optimizer = fresh()
+        applied: list[float] = []
+        events = record(lambda: run(param, optimizer, applied))
         ess_patch.detach(optimizer)
-        return events
+        return events, applied[0]
 
     return {"rollout": one("rollout"), "step": one("step")}
 
 
-def main() -> None:
-    sys.path.insert(0, str(ROOT))
+def trace() -> dict[str, dict]:
+    """Each scenario's counts, its path and the LR its ``optimizer.step()`` applied."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
     level = levels()
-    results = {name: count(events, level) for name, events in scenarios().items()}
-    print("| path | modules | hops | returns to a module already left | climbs | widest climb |")
-    print("|---|---|---|---|---|---|")
+    out = {}
+    for name, (events, applied) in scenarios().items():
+        out[name] = {**count(events, level), "applied lr": applied}
+    return out
+
+
+def main() -> None:
+    results = trace()
+    print("| path | modules | hops | returns | re-entries | climbs | widest climb | applied LR |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         print(
-            f"| {name} | {r['modules']} | {r['hops']} | {r['returns']} | {r['climbs']} | "
-            f"{r['widest climb']} |"
+            f"| {name} | {r['modules']} | {r['hops']} | {r['returns']} | {r['re-entries']} | "
+            f"{r['climbs']} | {r['widest climb']} | {r['applied lr']:.6f} |"
         )
     for name, r in results.items():
         print(f"\n{name}: {r['path']}")

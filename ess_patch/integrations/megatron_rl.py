@@ -48,10 +48,10 @@ from . import Integration
 from .binding import bind
 from .rl_hooks import (
     Framework,
-    Groups,
     compose_custom_arguments,
     config_from_args,
     ess_metrics,
+    megatron_groups,
     shadow_requested,
     validate,
 )
@@ -189,24 +189,6 @@ MEGATRON_RL_HISTORY = History(
 )
 
 
-def _groups() -> Groups:
-    from megatron.core import parallel_state as mpu
-
-    dp_group = mpu.get_data_parallel_group(with_context_parallel=False)
-    pp_size = mpu.get_pipeline_model_parallel_world_size()
-    cp_size = mpu.get_context_parallel_world_size()
-    # CP peers hold the same rows whole: no CP reduction in the estimate; the group is used
-    # only to check that the peers agree (see _agree).
-    return Groups(
-        cp_group=mpu.get_context_parallel_group() if cp_size > 1 else None,
-        cp_rank=mpu.get_context_parallel_rank(),
-        cp_size=cp_size,
-        dp_group=dp_group if mpu.get_data_parallel_world_size() > 1 else None,
-        pp_group=mpu.get_pipeline_model_parallel_group() if pp_size > 1 else None,
-        is_pp_last=mpu.is_pipeline_last_stage(),
-    )
-
-
 def _no_input_reason(args: argparse.Namespace) -> str | None:
     if not getattr(args, "rl_inference_logprobs_is_correction", False) and not getattr(
         args, "rl_partial_rollouts", False
@@ -221,7 +203,9 @@ def _no_input_reason(args: argparse.Namespace) -> str | None:
 
 MEGATRON_RL_FRAMEWORK = Framework(
     name=NAME,
-    groups=_groups,
+    # CP peers hold the same rows whole: no CP reduction in the estimate; the CP group is
+    # used only to check that the peers agree (see _agree)
+    groups=megatron_groups,
     no_input_reason=_no_input_reason,
     unsupported_reason=lambda _args: None,
     history=MEGATRON_RL_HISTORY,

@@ -1,18 +1,33 @@
 """miles (radixark/miles, 2026-01-12 to main @31f1ca961): flags, advantage hook, metrics, FSDP.
 
-- ``miles.utils.arguments.parse_args(add_custom_arguments=None)`` gets our flags composed
-  in and validates them after parsing (and, with ``--use-ess-lr``, the host's shape).
-- ``compute_advantages_and_returns`` is wrapped where it is defined and in each module that
-  imported it by name (``megatron_utils.actor``, ``fsdp_utils.actor`` or, 2026-04 to 2026-07,
-  ``experimental.fsdp_utils.actor``); after it runs, the rollout's ESS is computed over the
-  CP / DP / PP groups of the shape chosen below and armed.
-- ``log_train_step`` gets ``lr_scale``, ``rho_ess``... added to ``extra_metrics`` for the
-  actor (logged as ``train/lr_scale``...).
-- ``FSDPTrainRayActor._train_core`` attaches the plain torch optimizer before stepping.
-- ``MegatronTrainRayActor.train_critic`` makes its process the critic before the advantage
+What ess-patch does to miles: every target of ``MILES`` (below) and its effect. The LR
+itself is scaled at megatron-core's ``optimizer.step()`` (``integrations/megatron.py``, the
+only other file to read); the FSDP backend's torch optimizer is attach()ed instead.
+
+- ``miles.utils.arguments.parse_args``: composes the ``--ess-lr-*`` flags (generated from
+  ``EssLrConfig``) into ``add_custom_arguments``; after parsing, validates them and, with
+  ``--use-ess-lr``, the host's shape. Refused here: fault-tolerant mode, multi-LoRA
+  (``--multi-lora-n-adapters``), ``--disable-compute-advantages-and-returns``, the flags that
+  leave no train log-probs, FSDP with granularity "step", several optimizer steps per rollout
+  measured in the loss with granularity "rollout", ``--allgather-cp`` measured in the loss.
+- ``compute_advantages_and_returns`` (where it is defined, ``training_utils.loss``, and in
+  each module that imported it by name: ``megatron_utils.actor``, ``fsdp_utils.actor``,
+  2026-04 to 2026-07 ``experimental.fsdp_utils.actor``): runs it unchanged, then computes the
+  rollout's ESS over the CP / DP / PP groups of the shape chosen below and arms it (shadow
+  mode: keeps it for the logs only). With granularity "step", or when the hook's log-probs
+  are not the current policy's (``--keep-old-actor``, ``--skip-actor-forward-only``,
+  ``--use-rollout-logprobs`` alone), it arms nothing and starts a loss ledger run.
+- ``policy_loss_function`` (``loss_hub.losses`` from 2026-05-21, ``training_utils.loss``
+  before): during a ledger run, adds the call's per-trajectory partial sums to the step's
+  ledger (``integrations/loss_ledger.py``); the loss is returned unchanged.
+- ``get_log_probs_and_entropy`` (``loss_hub.logit_processors``, ``training_utils.loss``):
+  inside a policy-loss call, hands the log-probs it returns to that call.
+- ``log_train_step`` (``log_utils``, ``megatron_utils.model``, ``fsdp_utils.actor``,
+  ``experimental.fsdp_utils.actor``): adds ``lr_scale``, ``rho_ess``... to the actor's
+  ``extra_metrics`` (logged as ``train/lr_scale``...).
+- ``FSDPTrainRayActor._train_core``: attaches the plain torch optimizer (once) before training.
+- ``MegatronTrainRayActor.train_critic``: makes its process the critic before the advantage
   hook runs (never measured, scaled or logged as a policy).
-- Refused at parse time: fault-tolerant mode, multi-LoRA (``--multi-lora-n-adapters``),
-  ``--disable-compute-advantages-and-returns`` and the flags that leave no train log-probs.
 
 The shapes (read in the snapshots in ../shared/upstream and miles' public history):
 
@@ -66,10 +81,6 @@ _ADVANTAGE = "compute_advantages_and_returns"
 # --- where the groups come from ----------------------------------------------------------------
 
 
-def _single_or(group: Any, size: int) -> Any:
-    return group if size > 1 else None  # never a collective on a group of one (None = WORLD)
-
-
 def _pp(state: Any) -> tuple[Any, bool]:
     """(PP group or None, is last stage): the PP aspect's shape decides where PP lives."""
     pp = MILES_HISTORY.choose("pp").adapter(state)
@@ -84,10 +95,10 @@ def _groups_from_getter(dp_field: str) -> Callable[[Mapping[str, Any]], Groups]:
         dp = getattr(state, dp_field)
         pp_group, is_last = _pp(state)
         return Groups(
-            cp_group=_single_or(state.cp.group, state.cp.size),
+            cp_group=state.cp.group,
             cp_rank=state.cp.rank,
             cp_size=state.cp.size,
-            dp_group=_single_or(dp.group, dp.size),
+            dp_group=dp.group,
             pp_group=pp_group,
             is_pp_last=is_last,
         )
@@ -104,17 +115,17 @@ def _groups_from_argument(call: Mapping[str, Any]) -> Groups:
         )
     pp_group, is_last = _pp(state)
     return Groups(
-        cp_group=_single_or(state.cp_group, state.cp_size),
+        cp_group=state.cp_group,
         cp_rank=state.cp_rank,
         cp_size=state.cp_size,
-        dp_group=_single_or(state.dp_group, state.dp_size),  # DP without CP
+        dp_group=state.dp_group,  # DP without CP
         pp_group=pp_group,
         is_pp_last=is_last,
     )
 
 
 def _pp_from_state(state: Any) -> Any:
-    return _single_or(state.pp.group, state.pp.size)
+    return state.pp.group
 
 
 def _pp_from_megatron(_state: Any) -> Any:
@@ -122,9 +133,7 @@ def _pp_from_megatron(_state: Any) -> Any:
 
     if not mpu.model_parallel_is_initialized():  # the FSDP backend: one stage
         return None
-    return _single_or(
-        mpu.get_pipeline_model_parallel_group(), mpu.get_pipeline_model_parallel_world_size()
-    )
+    return mpu.get_pipeline_model_parallel_group()
 
 
 def _call_groups(call: Mapping[str, Any]) -> Groups:

@@ -40,7 +40,8 @@ METRIC_PREFIX = "train/"
 
 
 class Groups(NamedTuple):
-    """The process groups one rollout's ESS is reduced over (None = a single rank)."""
+    """The process groups one rollout's ESS is reduced over (None = a single rank; a group of
+    one is passed as it is: the reduction never issues a collective on it)."""
 
     cp_group: Any
     cp_rank: int
@@ -48,6 +49,20 @@ class Groups(NamedTuple):
     dp_group: Any  # data-parallel WITHOUT context-parallel: the ranks with other samples
     pp_group: Any
     is_pp_last: bool
+
+
+def megatron_groups() -> Groups:
+    """This rank's groups from megatron-core's ``parallel_state`` (slime, Megatron-RL, verl)."""
+    from megatron.core import parallel_state as mpu
+
+    return Groups(
+        cp_group=mpu.get_context_parallel_group(),
+        cp_rank=mpu.get_context_parallel_rank(),
+        cp_size=mpu.get_context_parallel_world_size(),
+        dp_group=mpu.get_data_parallel_group(with_context_parallel=False),
+        pp_group=mpu.get_pipeline_model_parallel_group(),
+        is_pp_last=mpu.is_pipeline_last_stage(),
+    )
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,31 @@
 """slime (THUDM/slime, v0.2.0 to main @624b824a8): flags, the advantage hook and metrics.
 
+What ess-patch does to slime: every target of ``SLIME`` (below) and its effect. The LR itself
+is scaled at megatron-core's ``optimizer.step()`` (``integrations/megatron.py``, the only
+other file to read).
+
+- ``slime.utils.arguments.parse_args``: composes the ``--ess-lr-*`` flags (generated from
+  ``EssLrConfig``) into ``add_custom_arguments``; after parsing, validates them and, with
+  ``--use-ess-lr``, the host's shape. Refused here: a ``--train-backend`` other than
+  megatron, the flags that leave no train log-probs, several optimizer steps per rollout
+  measured in the loss with granularity "rollout", ``--allgather-cp`` measured in the loss.
+- ``compute_advantages_and_returns`` (``backends/megatron_utils/loss.py``, and
+  ``megatron_utils.actor`` that imports it by name): runs it unchanged, then computes the
+  rollout's ESS over megatron's CP / DP / PP groups and arms it (shadow mode: keeps it for
+  the logs only). With granularity "step", or when the hook's log-probs may not be the
+  current policy's (one optimizer step per rollout: slime reuses the loss's own;
+  ``--keep-old-actor``; ``--use-rollout-logprobs`` alone), it arms nothing and starts a loss
+  ledger run.
+- ``policy_loss_function`` (``megatron_utils.loss``): during a ledger run, adds the call's
+  per-trajectory partial sums to the step's ledger (``integrations/loss_ledger.py``); the loss
+  is returned unchanged.
+- ``get_log_probs_and_entropy`` (``megatron_utils.loss``): inside a policy-loss call, hands
+  the log-probs it returns to that call.
+- ``log`` (in the module of the table below): adds ``train/lr_scale``, ``train/rho_ess``... to
+  the train-step record (``step_key="train/step"``).
+- ``MegatronTrainRayActor.train_critic``: makes its process the critic before the advantage
+  hook runs (never measured, scaled or logged as a policy).
+
 slime has no ParallelState object: the groups come from megatron's ``parallel_state``
 throughout. ``compute_advantages_and_returns(args, rollout_data)`` lives in
 ``backends/megatron_utils/loss.py`` in every release. ``train()`` logs the train step
@@ -31,10 +57,10 @@ from .loss_ledger import loss_targets, per_step_reason, steps_per_rollout_refusa
 from .rl_hooks import (
     METRIC_PREFIX,
     Framework,
-    Groups,
     common_targets,
     critic_wrapper,
     ess_metrics,
+    megatron_groups,
     rollout_logprobs_only,
 )
 from .shapes import Aspect, Feature, History, Shape
@@ -51,22 +77,6 @@ _LOG_MODULES = (
     ("slime.utils.logging_utils", "v0.2.2 to v0.3.1"),
     ("slime.utils.tracking_utils", "v0.2.0 to v0.2.1"),
 )
-
-
-def _groups() -> Groups:
-    from megatron.core import parallel_state as mpu
-
-    cp_size = mpu.get_context_parallel_world_size()
-    dp_group = mpu.get_data_parallel_group(with_context_parallel=False)
-    pp_size = mpu.get_pipeline_model_parallel_world_size()
-    return Groups(
-        cp_group=mpu.get_context_parallel_group() if cp_size > 1 else None,
-        cp_rank=mpu.get_context_parallel_rank(),
-        cp_size=cp_size,
-        dp_group=dp_group if mpu.get_data_parallel_world_size() > 1 else None,
-        pp_group=mpu.get_pipeline_model_parallel_group() if pp_size > 1 else None,
-        is_pp_last=mpu.is_pipeline_last_stage(),
-    )
 
 
 SLIME_HISTORY = History(
@@ -155,7 +165,7 @@ def _no_input_reason(args: argparse.Namespace) -> str | None:
 
 SLIME_FRAMEWORK = Framework(
     name="slime",
-    groups=_groups,
+    groups=megatron_groups,
     no_input_reason=_no_input_reason,
     unsupported_reason=_unsupported_reason,
     history=SLIME_HISTORY,

@@ -50,7 +50,7 @@ from ..result import EssLrResult
 from ..state import STATE, arm, disarm
 from . import Integration
 from .binding import bind, call_with
-from .rl_hooks import Groups
+from .rl_hooks import Groups, megatron_groups
 from .shapes import Aspect, Feature, History, Shape
 
 __all__ = ["VERL", "VERL_HISTORY", "VerlSettings", "settings"]
@@ -193,18 +193,7 @@ def settings(actor_config: Any, environ: Mapping[str, str] | None = None) -> Ver
 
 def _groups() -> Groups:
     """DP without CP (CP peers hold the same sequences whole), the PP group, the last stage."""
-    from megatron.core import parallel_state as mpu
-
-    dp_size = mpu.get_data_parallel_world_size()
-    pp_size = mpu.get_pipeline_model_parallel_world_size()
-    return Groups(
-        cp_group=None,
-        cp_rank=mpu.get_context_parallel_rank(),
-        cp_size=mpu.get_context_parallel_world_size(),
-        dp_group=mpu.get_data_parallel_group(with_context_parallel=False) if dp_size > 1 else None,
-        pp_group=mpu.get_pipeline_model_parallel_group() if pp_size > 1 else None,
-        is_pp_last=mpu.is_pipeline_last_stage(),
-    )
+    return megatron_groups()._replace(cp_group=None)
 
 
 def _tensors(data: Any) -> tuple[Any, Any, Any]:
