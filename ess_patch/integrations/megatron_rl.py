@@ -401,7 +401,6 @@ def _compute_and_arm(args: Any, build: Callable[[], Rows], shadow: bool = False)
     """``build()`` -> per-trajectory (train, inference, mask) lists on this rank; arm the ESS
     (shadow mode: keep it for the logs only), or raise the same fault on every rank."""
     from ..compute import compute_ess_lr
-    from ..reduction import group_size
 
     groups = MEGATRON_RL_FRAMEWORK.groups()
     config = config_from_args(args)
@@ -417,12 +416,9 @@ def _compute_and_arm(args: Any, build: Callable[[], Rows], shadow: bool = False)
         # every stage holds the rows: each computes over its DP group (no PP broadcast)
         result = compute_ess_lr(*inputs, config=config, dp_group=groups.dp_group, error=fault)
     except Exception as exc:
-        if group_size(groups.cp_group) <= 1 and group_size(groups.pp_group) <= 1:
-            raise
         error = exc
     for group, name in ((groups.cp_group, "CP"), (groups.pp_group, "PP")):
-        if group_size(group, name) > 1:
-            error = _agree(result, error, group, name, config)
+        error = _agree(result, error, group, name, config)  # no collective on a group of one
     if error is not None:
         raise error
     if shadow:
