@@ -16,8 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from tests.reference import reference_ess
+from reference import reference_ess
 
 ROOT = Path(__file__).resolve().parents[1]
 
