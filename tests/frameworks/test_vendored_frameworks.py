@@ -137,7 +137,7 @@ for name in ("megatron", "miles", "slime"):
 # after the imports: miles and slime configure the root logger when imported
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s", force=True)
 ess_patch.install(["megatron", "miles", "slime"])
-emit({"wrapped": ess_patch.installed_targets(), "marked": marked})
+emit(dict(wrapped=ess_patch.installed_targets(), marked=marked))
 """
     result = fresh_python(code, _env(patched), cwd=tmp_path, timeout=300)
     assert result.result["wrapped"] == []
@@ -207,7 +207,7 @@ for t in integration.targets:
     marked += 1
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s", force=True)
 ess_patch.install("megatron_rl")
-emit({"wrapped": ess_patch.installed_targets(), "marked": marked})
+emit(dict(wrapped=ess_patch.installed_targets(), marked=marked))
 """
     result = fresh_python(code, _mrl_env(patched_megatron_rl), cwd=tmp_path, timeout=300)
     assert result.result["wrapped"] == []
