@@ -1,8 +1,13 @@
-"""Shared fixtures: a single-process Megatron world on CPU, and a clean ess-patch state."""
+"""Shared fixtures: a single-process Megatron world on CPU, a clean ess-patch state, and a
+fresh interpreter for a snippet."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
+from fresh import Fresh
+from fresh import fresh_python as _fresh_python
 
 
 @pytest.fixture
@@ -30,3 +35,11 @@ def clean_ess():
     if ess_patch.is_installed():
         ess_patch.uninstall()
     reset()
+
+
+@pytest.fixture(scope="session")
+def fresh_python() -> Callable[..., Fresh]:
+    """``fresh_python(code, env=None, *, args=(), cwd=None, timeout=180, emits=True)``: run a
+    snippet in a new interpreter; it hands its result back with ``emit(obj)`` (tests/fresh.py).
+    Session-scoped (it holds nothing) so module-scoped fixtures can use it."""
+    return _fresh_python

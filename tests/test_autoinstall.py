@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import os
 import site
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fresh import Fresh
 
 PTH = "ess_patch-autoinstall.pth"
 INSTALLED_PTH = [Path(d) / PTH for d in site.getsitepackages() if (Path(d) / PTH).exists()]
@@ -22,65 +21,63 @@ NO_PTH = (
 )
 
 PROBE = """
-import sys
 import megatron.core.optimizer.optimizer as m
 from ess_patch.patching import is_ours
 import ess_patch
-print("WRAPPED", is_ours(vars(m.FP32Optimizer)["step"]), ess_patch.is_installed())
+emit({"wrapped": is_ours(vars(m.FP32Optimizer)["step"]), "installed": ess_patch.is_installed()})
 """
 
 
-def _probe(
-    value: str | None, code: str = PROBE, extra_env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "ESS_PATCH_AUTO_INSTALL"}
-    env.update(extra_env or {})
-    if value is not None:
-        env["ESS_PATCH_AUTO_INSTALL"] = value
-    return subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
+@pytest.fixture
+def probe(fresh_python):
+    """``probe(value, code=PROBE, extra_env=None, emits=True)``: ``code`` in a fresh
+    interpreter with ``ESS_PATCH_AUTO_INSTALL`` set to ``value`` (unset for None)."""
+
+    def run(
+        value: str | None,
+        code: str = PROBE,
+        extra_env: dict[str, str] | None = None,
+        emits: bool = True,
+    ) -> Fresh:
+        env = {k: v for k, v in os.environ.items() if k != "ESS_PATCH_AUTO_INSTALL"}
+        env.update(extra_env or {})
+        if value is not None:
+            env["ESS_PATCH_AUTO_INSTALL"] = value
+        return fresh_python(code, env, timeout=120, emits=emits)
+
+    return run
+
+
+ON = {"wrapped": True, "installed": True}
+OFF = {"wrapped": False, "installed": False}
 
 
 @pytest.mark.skipif(not INSTALLED_PTH, reason=NO_PTH)
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [
-        ("1", "WRAPPED True True"),
-        ("megatron", "WRAPPED True True"),
-        (None, "WRAPPED False False"),
-        ("0", "WRAPPED False False"),
-    ],
+    [("1", ON), ("megatron", ON), (None, OFF), ("0", OFF)],
 )
-def test_env_var_activates_the_patch_in_a_fresh_process(value, expected):
-    proc = _probe(value)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert expected in proc.stdout
+def test_env_var_activates_the_patch_in_a_fresh_process(value, expected, probe):
+    assert probe(value).result == expected
 
 
 @pytest.mark.skipif(not INSTALLED_PTH, reason=NO_PTH)
-def test_a_bad_value_says_so_and_does_not_kill_the_process():
-    proc = _probe("bogus")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "WRAPPED False False" in proc.stdout
+def test_a_bad_value_says_so_and_does_not_kill_the_process(probe):
+    proc = probe("bogus")
+    assert proc.result == OFF
     assert proc.stderr.count("ESS_PATCH_AUTO_INSTALL='bogus' was set but not installed") == 1
     assert "unknown ess-patch integration(s) 'bogus'" in proc.stderr
 
 
 @pytest.mark.skipif(not INSTALLED_PTH, reason=NO_PTH)
-def test_the_pth_line_imports_nothing_when_off():
-    proc = _probe(
-        None, "import sys; print('MODULES', 'ess_patch' in sys.modules, 'torch' in sys.modules)"
-    )
-    assert "MODULES False False" in proc.stdout
+def test_the_pth_line_imports_nothing_when_off(probe):
+    proc = probe(None, "import sys; emit(['ess_patch' in sys.modules, 'torch' in sys.modules])")
+    assert proc.result == [False, False]
 
 
-def test_install_does_not_import_torch():
-    proc = _probe(
-        None, "import sys, ess_patch; ess_patch.install(); print('TORCH', 'torch' in sys.modules)"
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "TORCH False" in proc.stdout
+def test_install_does_not_import_torch(probe):
+    proc = probe(None, "import sys, ess_patch; ess_patch.install(); emit('torch' in sys.modules)")
+    assert proc.result is False
 
 
 def test_requested_values():
@@ -124,31 +121,28 @@ line = open({str(Path(__file__).resolve().parents[1] / PTH)!r}).read()
 exec(line)
 exec(line)  # site reads a venv's site-packages twice
 import ess_patch
-print("INSTALLED", ess_patch.is_installed())
+installed = ess_patch.is_installed()
 """
     + _COUNT_WRAPS
     + """
-print("WRAPS", wraps)
+emit({"installed": installed, "wraps": wraps})
 """
 )
 
 
-def test_the_pth_running_twice_installs_once_and_says_nothing():
-    proc = _probe("1", _PTH_TWICE)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "INSTALLED True" in proc.stdout
-    assert "WRAPS 1" in proc.stdout  # megatron imported afterwards: wrapped once, not twice
+def test_the_pth_running_twice_installs_once_and_says_nothing(probe):
+    proc = probe("1", _PTH_TWICE)
+    # megatron imported afterwards: wrapped once, not twice
+    assert proc.result == {"installed": True, "wraps": 1}
     assert "already installed" not in proc.stderr
     assert proc.stderr.strip() == "" or "Traceback" not in proc.stderr
 
 
-def test_a_bad_ess_lr_value_is_one_clear_line_once():
+def test_a_bad_ess_lr_value_is_one_clear_line_once(probe):
     # in the process's environment from the start: where the wheel's .pth sits in
     # site-packages, it has already run once before the probe's own code
-    proc = _probe("1", _PTH_TWICE, {"ESS_LR_FLOOR": "5"})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "INSTALLED False" in proc.stdout
-    assert "WRAPS 0" in proc.stdout
+    proc = probe("1", _PTH_TWICE, {"ESS_LR_FLOOR": "5"})
+    assert proc.result == {"installed": False, "wraps": 0}
     errors = [line for line in proc.stderr.splitlines() if "ESS_PATCH_AUTO_INSTALL='1'" in line]
     assert len(errors) == 1, proc.stderr
     assert "EssLrConfig.floor='5' must be in (0, 1]" in errors[0]
@@ -157,14 +151,14 @@ def test_a_bad_ess_lr_value_is_one_clear_line_once():
 
 _ARM_AFTER_A_BAD_SETTING = f"""
 exec(open({str(Path(__file__).resolve().parents[1] / PTH)!r}).read())
-print("STARTED")  # the process itself runs on
+started = True  # the process itself runs on
 import ess_patch
 try:
     ess_patch.arm(0.5)
-    print("ARM-OK")
+    arm = "ARM-OK"
 except Exception as exc:
-    print("ARM-ERROR", type(exc).__name__, exc)
-print("ARMED-AFTER", ess_patch.armed())
+    arm = f"ARM-ERROR {{type(exc).__name__}} {{exc}}"
+emit({{"started": started, "arm": arm, "armed_after": ess_patch.armed()}})
 """
 
 
@@ -178,27 +172,26 @@ print("ARMED-AFTER", ess_patch.armed())
     ],
 )
 def test_a_bad_setting_names_the_variable_and_arm_reports_the_failed_auto_install(
-    variable, value, allowed
+    variable, value, allowed, probe
 ):
-    proc = _probe("1", _ARM_AFTER_A_BAD_SETTING, {variable: value})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "STARTED" in proc.stdout
+    proc = probe("1", _ARM_AFTER_A_BAD_SETTING, {variable: value})
+    assert proc.result["started"] is True
     errors = [line for line in proc.stderr.splitlines() if "ESS_PATCH_AUTO_INSTALL='1'" in line]
     assert len(errors) == 1, proc.stderr
     assert f"{variable}={value!r}" in errors[0] and allowed in errors[0], errors[0]
     assert "Traceback" not in proc.stderr
     # where ESS-LR is used: arm() says the auto-install failed and why, and arms nothing
-    arm_line = next(line for line in proc.stdout.splitlines() if line.startswith("ARM"))
+    arm_line = proc.result["arm"]
     assert arm_line.startswith("ARM-ERROR ValueError"), arm_line
     assert "auto-install failed" in arm_line and f"{variable}={value!r}" in arm_line
     assert "install() was not called" not in proc.stdout + proc.stderr
-    assert "ARMED-AFTER None" in proc.stdout
+    assert proc.result["armed_after"] is None
 
 
 @pytest.mark.skipif(not INSTALLED_PTH, reason=NO_PTH)
-def test_an_unrelated_process_starts_with_a_bad_setting():
-    proc = _probe("1", "print('hello')", {"ESS_LR_FLOOR": "abc"})
-    assert proc.returncode == 0 and proc.stdout.strip() == "hello", proc.stderr[-2000:]
+def test_an_unrelated_process_starts_with_a_bad_setting(probe):
+    proc = probe("1", "print('hello')", {"ESS_LR_FLOOR": "abc"}, emits=False)
+    assert proc.stdout.strip() == "hello", proc.stderr[-2000:]
 
 
 def test_an_explicit_install_after_a_failed_auto_install_arms_normally(monkeypatch, clean_ess):

@@ -6,10 +6,7 @@ state under test is the interpreter's module table.
 
 from __future__ import annotations
 
-import json
 import logging
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -18,7 +15,7 @@ import ess_patch
 from ess_patch.state import reset
 
 PRELUDE = """
-import json, logging, sys, warnings
+import logging, sys, warnings
 warnings.simplefilter("ignore")
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="LOG %(message)s")
 import ess_patch
@@ -50,7 +47,7 @@ def report(originals, **extra):
         "installed": ess_patch.is_installed(),
     }
     res.update(extra)
-    print("RESULT " + json.dumps(res))
+    emit(res)
 """
 
 CASES = {
@@ -112,43 +109,46 @@ ALL_WRAPPED = sorted(
 )
 
 
-def _run(case: str) -> tuple[dict, str]:
-    code = PRELUDE + textwrap.dedent(CASES[case])
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :]), proc.stdout
+@pytest.fixture
+def run(fresh_python):
+    """``run(case)``: the case after PRELUDE in a fresh interpreter: (its report, its stdout)."""
+
+    def go(case: str) -> tuple[dict, str]:
+        fresh = fresh_python(PRELUDE + textwrap.dedent(CASES[case]), timeout=120)
+        return fresh.result, fresh.stdout
+
+    return go
 
 
 @pytest.mark.parametrize("case", ["install_then_import", "import_then_install"])
-def test_both_import_orders_wrap_every_defining_class_once(case):
-    res, _ = _run(case)
+def test_both_import_orders_wrap_every_defining_class_once(case, run):
+    res, _ = run(case)
     assert res["wrapped"] == ALL_WRAPPED
     assert res["double"] == []
     assert res["inner_is_original"]
     assert res["installed"]
 
 
-def test_install_twice_warns_and_wraps_once():
-    res, out = _run("install_twice")
+def test_install_twice_warns_and_wraps_once(run):
+    res, out = run("install_twice")
     assert res["wrapped"] == ALL_WRAPPED and res["double"] == [] and res["inner_is_original"]
     assert "LOG ess-patch is already installed" in out
 
 
-def test_install_uninstall_install():
-    res, _ = _run("install_uninstall_install")
+def test_install_uninstall_install(run):
+    res, _ = run("install_uninstall_install")
     assert res["restored_identity"]  # uninstall put back the very same function objects
     assert res["wrapped"] == ALL_WRAPPED and res["double"] == [] and res["inner_is_original"]
 
 
-def test_uninstall_without_install_changes_nothing():
-    res, out = _run("uninstall_without_install")
+def test_uninstall_without_install_changes_nothing(run):
+    res, out = run("uninstall_without_install")
     assert res["identity"] and res["wrapped"] == [] and not res["installed"]
     assert "LOG ess-patch is not installed" in out
 
 
-def test_left_over_hook_after_uninstall_does_nothing():
-    res, _ = _run("install_uninstall_then_import")
+def test_left_over_hook_after_uninstall_does_nothing(run):
+    res, _ = run("install_uninstall_then_import")
     assert res["wrapped"] == [] and not res["installed"]
 
 

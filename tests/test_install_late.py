@@ -12,11 +12,7 @@ ess-patch's install machinery, not miles.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -35,7 +31,7 @@ FAKE_MILES = {
 }
 
 SCRIPT = """
-import json, logging, sys, warnings
+import logging, sys, warnings
 warnings.simplefilter("ignore")
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="LOG %(message)s")
 import ess_patch
@@ -52,7 +48,7 @@ import miles.backends.training_utils.loss as loss      # lacks the symbol: must 
 import miles.backends.training_utils.log_utils as log_utils   # imported after the rollback
 import megatron.core.optimizer.optimizer as mo
 
-print("RESULT " + json.dumps({
+result = {
     "parse_wrapped_first": parse_wrapped_first,
     "parse_is_original": vars(arguments)["parse_args"] is original_parse,
     "parse_call": arguments.parse_args(),
@@ -64,10 +60,11 @@ print("RESULT " + json.dumps({
     "integrations": sorted(INSTALLATION.patches),
     "miles_targets": [t for t in installed_targets() if t.startswith("miles.")],
     "failed": failed_integrations(),
-}))
+}
 if "--doctor" in sys.argv:
     from ess_patch.doctor import collect, render
-    print("DOCTOR " + json.dumps(render(collect())))
+    result["doctor"] = render(collect())
+emit(result)
 """
 
 
@@ -79,29 +76,20 @@ def _fake_tree(root: Path) -> Path:
     return root
 
 
-def _run(tmp_path: Path, *extra: str) -> tuple[dict, str]:
+def _run(fresh_python, tmp_path: Path, *extra: str) -> tuple[dict, str]:
     tree = _fake_tree(tmp_path / "fake")
     repo = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ESS_", "MILES", "SLIME"))}
     env["PYTHONPATH"] = os.pathsep.join([str(tree), str(repo)])
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(SCRIPT), *extra],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :]), proc.stdout
+    fresh = fresh_python(SCRIPT, env, args=extra, cwd=tmp_path, timeout=180)
+    return fresh.result, fresh.stdout
 
 
 MISSING = "miles.backends.training_utils.loss.compute_advantages_and_returns"
 
 
-def test_late_import_missing_a_symbol_rolls_back_that_integration_only(tmp_path):
-    res, out = _run(tmp_path)
+def test_late_import_missing_a_symbol_rolls_back_that_integration_only(fresh_python, tmp_path):
+    res, out = _run(fresh_python, tmp_path)
     # miles was wrapped while its modules were compatible...
     assert res["parse_wrapped_first"]
     # ...then the incompatible module imported fine, and miles' wraps are all gone
@@ -126,9 +114,9 @@ def test_late_import_missing_a_symbol_rolls_back_that_integration_only(tmp_path)
 
 
 @pytest.mark.slow
-def test_doctor_shows_the_rolled_back_integration(tmp_path):
-    res, out = _run(tmp_path, "--doctor")
-    doctor = json.loads(next(x for x in out.splitlines() if x.startswith("DOCTOR "))[7:])
+def test_doctor_shows_the_rolled_back_integration(fresh_python, tmp_path):
+    res, _ = _run(fresh_python, tmp_path, "--doctor")
+    doctor = res["doctor"]
     assert res["failed"]["miles"] in doctor
     assert f"PROBLEM {res['failed']['miles']} (rolled back at import" in doctor
     assert "-- miles.utils.arguments.parse_args: not wrapped (miles was rolled back)" in doctor

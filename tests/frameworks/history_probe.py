@@ -1,8 +1,7 @@
-"""ess-patch on ONE snapshot's real code, in a fresh process (run by test_history.py).
+"""ess-patch on ONE snapshot's real code, in a fresh process (test_history.py runs
+``report(FRAMEWORK, SNAPSHOT_FOLDER)`` there with ``fresh_python`` and gets its result back).
 
-    python history_probe.py FRAMEWORK SNAPSHOT_FOLDER OUT.json
-
-Writes what it saw (plain data) for the test to compare with hand-written expectations:
+Returns what it saw (plain data) for the test to compare with hand-written expectations:
 the shapes install() chose and recorded, the metrics the real train-step log function
 returned or logged, the flags through the real ``parse_args``, and, for symbols removed
 from the imported host, the error install() raised and whether anything stayed patched.
@@ -14,9 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
-import json
 import sys
-import traceback
 from argparse import Namespace
 from pathlib import Path
 
@@ -253,30 +250,25 @@ def loss_hooks(fw: str) -> dict[str, bool]:
     return {}
 
 
-def main(fw: str, folder: str, out_path: str) -> None:
+def report(fw: str, folder: str) -> dict:
+    """Everything above on ``fw`` imported from ``folder``, as plain data. An unexpected
+    error propagates: the fresh interpreter fails and the test shows its traceback."""
     use_snapshot(fw, folder, "full")
-    report: dict = {}
-    try:
-        import ess_patch
-        from ess_patch.install import installed_shapes
+    import ess_patch
+    from ess_patch.install import installed_shapes
 
-        if fw == "slime":
-            report["import_error"] = slime_import_time_error()
-        ess_patch.install(fw)
-        loss = "training_utils.loss" if fw == "miles" else "megatron_utils.loss"
-        importlib.import_module(f"{fw}.backends.{loss}")
-        importlib.import_module(f"{fw}.backends.megatron_utils.model")
-        report["shapes"] = installed_shapes()[fw]
-        report["loss_hooks"] = loss_hooks(fw)
-        report["targets"] = ess_patch.installed_targets()
-        report["metrics"] = miles_metrics() if fw == "miles" else slime_metrics()
-        report["parse"] = parse_checks(fw)
-        ess_patch.uninstall()
-        report["removals"] = removal_errors(fw)
-    except BaseException:
-        report["crash"] = traceback.format_exc()
-    Path(out_path).write_text(json.dumps(report, default=repr))
-
-
-if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    out: dict = {}
+    if fw == "slime":
+        out["import_error"] = slime_import_time_error()
+    ess_patch.install(fw)
+    loss = "training_utils.loss" if fw == "miles" else "megatron_utils.loss"
+    importlib.import_module(f"{fw}.backends.{loss}")
+    importlib.import_module(f"{fw}.backends.megatron_utils.model")
+    out["shapes"] = installed_shapes()[fw]
+    out["loss_hooks"] = loss_hooks(fw)
+    out["targets"] = ess_patch.installed_targets()
+    out["metrics"] = miles_metrics() if fw == "miles" else slime_metrics()
+    out["parse"] = parse_checks(fw)
+    ess_patch.uninstall()
+    out["removals"] = removal_errors(fw)
+    return out

@@ -1,14 +1,14 @@
-"""The README's launch on ONE snapshot's real code, in a fresh process (run by test_launch.py).
-
-    ESS_LR_...=... python launch_probe.py FRAMEWORK SNAPSHOT_FOLDER OUT.json
+"""The README's launch on ONE snapshot's real code, in a fresh process (test_launch.py runs
+``report(FRAMEWORK, SNAPSHOT_FOLDER, CASES)`` there with ``fresh_python``, ``ESS_LR_*`` set).
 
 Does what a user's ``train.py`` does: ``import ess_patch; ess_patch.install()`` (every
 integration, ``ESS_LR_*`` read from this process's environment) before the framework is
-imported, then the framework's real ``parse_args``. Writes plain data for the test to compare
-with its expectations: per argv, the settings ``config_from_args`` gives (or the error); then,
-after a re-install with no ``ESS_LR_*``, the same for the flags alone; and the critic's real
-``MegatronTrainRayActor.train_critic`` run up to its train step (its model calls replaced),
-with the role seen by the advantage hook and what the real train-step log function logged.
+imported, then the framework's real ``parse_args``. Returns plain data for the test to
+compare with its expectations: per argv, the settings ``config_from_args`` gives (or the
+error); then, after a re-install with no ``ESS_LR_*``, the same for the flags alone; and the
+critic's real ``MegatronTrainRayActor.train_critic`` run up to its train step (its model
+calls replaced), with the role seen by the advantage hook and what the real train-step log
+function logged.
 """
 
 from __future__ import annotations
@@ -16,11 +16,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-import json
 import logging
 import os
 import sys
-import traceback
 from argparse import Namespace
 from pathlib import Path
 
@@ -148,30 +146,24 @@ def critic_log(fw: str) -> dict:
     return logged[0]
 
 
-def main(fw: str, folder: str, out_path: str, cases_json: str) -> None:
+def report(fw: str, folder: str, cases: dict) -> dict:
+    """The cases (argv lists under "env", "plain" and "critic") on ``fw`` imported from
+    ``folder``, as plain data. An unexpected error propagates: the fresh interpreter fails
+    and the test shows its traceback."""
     use_snapshot(fw, folder, "full")
-    cases = json.loads(cases_json)
-    report: dict = {}
-    try:
-        import ess_patch
+    import ess_patch
 
-        ess_patch.install()  # the README's recipe: every integration, before the framework
-        from ess_patch.install import INSTALLATION, failed_integrations
+    ess_patch.install()  # the README's recipe: every integration, before the framework
+    from ess_patch.install import INSTALLATION, failed_integrations
 
-        report["integrations"] = sorted(INSTALLATION.patches or {})
-        report["env"] = {name: parse(fw, argv) for name, argv in cases["env"].items()}
-        # the same flags without any ESS_LR_*: a fresh install() reads the cleared environment
-        ess_patch.uninstall()
-        for key in [k for k in os.environ if k.startswith("ESS_LR_")]:
-            del os.environ[key]
-        ess_patch.install()
-        report["plain"] = {name: parse(fw, argv) for name, argv in cases["plain"].items()}
-        report["critic"] = critic(fw, cases["critic"])
-        report["failed"] = failed_integrations()
-    except BaseException:
-        report["crash"] = traceback.format_exc()
-    Path(out_path).write_text(json.dumps(report, default=repr))
-
-
-if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    out: dict = {"integrations": sorted(INSTALLATION.patches or {})}
+    out["env"] = {name: parse(fw, argv) for name, argv in cases["env"].items()}
+    # the same flags without any ESS_LR_*: a fresh install() reads the cleared environment
+    ess_patch.uninstall()
+    for key in [k for k in os.environ if k.startswith("ESS_LR_")]:
+        del os.environ[key]
+    ess_patch.install()
+    out["plain"] = {name: parse(fw, argv) for name, argv in cases["plain"].items()}
+    out["critic"] = critic(fw, cases["critic"])
+    out["failed"] = failed_integrations()
+    return out

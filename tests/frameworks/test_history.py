@@ -1,9 +1,10 @@
 """Every snapshot folder of miles and slime (``upstream.snapshots()``): ess-patch follows the
 host's shape, detected by feature, and fails clearly where it cannot serve it.
 
-One fresh process per snapshot (``history_probe.py``; two versions of a framework cannot
-share ``sys.modules``) runs the real code and reports; here the report is compared with what
-each framework's history says (miles/slime docstrings in ``ess_patch/integrations``):
+One fresh process per snapshot (``history_probe.report`` through ``fresh_python``; two
+versions of a framework cannot share ``sys.modules``) runs the real code and reports; here
+the report is compared with what each framework's history says (miles/slime docstrings in
+``ess_patch/integrations``):
 
 - the shape ``install()`` chose and recorded (``installed_shapes()``);
 - the ESS metrics through the real train-step log function of that version (miles
@@ -23,17 +24,21 @@ The advantage hook itself runs on every snapshot in the gloo harness
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from upstream import snapshots, tier_reason
 
-PROBE = Path(__file__).resolve().parent / "history_probe.py"
+HERE = Path(__file__).resolve().parent
+# run in the fresh interpreter: the probe module from this folder, its report emitted
+PROBE = """
+import sys
+sys.path.insert(0, {here!r})
+from history_probe import report
+emit(report({fw!r}, {folder!r}))
+"""
 METRICS = {
     "train/lr_scale": 0.5,
     "train/rho_ess": 0.25,
@@ -87,25 +92,15 @@ def _expected_log_module(folder: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory):
+def reports(fresh_python):
     """One probe run per snapshot, on demand (cached for the module)."""
     cache: dict[Path, dict] = {}
 
     def get(fw: str, folder: Path) -> dict:
         if folder not in cache:
-            out = tmp_path_factory.mktemp(folder.name) / "report.json"
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-            proc = subprocess.run(
-                [sys.executable, str(PROBE), fw, str(folder), str(out)],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            assert out.exists(), proc.stderr[-3000:]
-            report = json.loads(out.read_text())
-            assert "crash" not in report, report["crash"]
-            cache[folder] = report
+            code = PROBE.format(here=str(HERE), fw=fw, folder=str(folder))
+            cache[folder] = fresh_python(code, env, timeout=300).result
         return cache[folder]
 
     return get

@@ -694,41 +694,24 @@ _PTH_INSTALLED = any(
 @pytest.mark.skipif(
     not _PTH_INSTALLED, reason="the .pth ships with the wheel, not editable installs"
 )
-def test_a_train_actor_started_with_the_env_var_has_the_hooks(tmp_path):
+def test_a_train_actor_started_with_the_env_var_has_the_hooks(tmp_path, fresh_python):
     """What ``--train-env-vars '{"ESS_PATCH_AUTO_INSTALL": "1"}'`` gives each Ray actor.
 
     Vendored mode: the patched tree has the hook with or without the variable, and the
     auto-install that the variable triggers does not wrap it a second time.
     """
-    import subprocess
-
-    code = (
-        "import miles.backends.training_utils.loss as loss\n"
-        "from ess_patch.patching import is_ours\n"
-        "from ess_patch.vendored import is_vendored\n"
-        "f = loss.compute_advantages_and_returns\n"
-        "print('HOOKED', is_ours(f), 'VENDORED', is_vendored(f))\n"
-    )
+    code = """
+        import miles.backends.training_utils.loss as loss
+        from ess_patch.patching import is_ours
+        from ess_patch.vendored import is_vendored
+        f = loss.compute_advantages_and_returns
+        emit({"hooked": is_ours(f), "vendored": is_vendored(f)})
+    """
     env = {**os.environ, "ESS_PATCH_AUTO_INSTALL": "1", "PYTHONPATH": os.environ["MILES_SRC"]}
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert ("HOOKED False VENDORED True" if VENDORED else "HOOKED True VENDORED False") in (
-        proc.stdout
+    on = fresh_python(code, env, cwd=tmp_path, timeout=120).result
+    assert on == (
+        {"hooked": False, "vendored": True} if VENDORED else {"hooked": True, "vendored": False}
     )
     env.pop("ESS_PATCH_AUTO_INSTALL")
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
-    assert f"HOOKED False VENDORED {VENDORED}" in proc.stdout
+    off = fresh_python(code, env, cwd=tmp_path, timeout=120).result
+    assert off == {"hooked": False, "vendored": VENDORED}

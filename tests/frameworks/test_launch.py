@@ -1,7 +1,7 @@
 """The README's launch on every miles and slime snapshot (``upstream.snapshots()``), on the
 Megatron tree it runs on (``MEGATRON_LM_SRC``: megatron-lm-2e64d788b, which has megatron/rl):
 ``import ess_patch; ess_patch.install()`` with every integration, in a fresh interpreter,
-then the framework's real ``parse_args`` (``launch_probe.py``).
+then the framework's real ``parse_args`` (``launch_probe.report`` through ``fresh_python``).
 
 - the settings reach the hook with one precedence, every field checked: (a) the flags only,
   (b) ``ESS_LR_*`` only, (c) both (the flags win), and neither (the defaults);
@@ -14,10 +14,7 @@ then the framework's real ``parse_args`` (``launch_probe.py``).
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -26,7 +23,14 @@ from upstream import snapshots, tier_reason
 
 from ess_patch import EssLrConfig
 
-PROBE = Path(__file__).resolve().parent / "launch_probe.py"
+HERE = Path(__file__).resolve().parent
+# run in the fresh interpreter: the probe module from this folder, its report emitted
+PROBE = """
+import sys
+sys.path.insert(0, {here!r})
+from launch_probe import report
+emit(report({fw!r}, {folder!r}, {cases!r}))
+"""
 
 FLAGS = EssLrConfig(
     floor=0.2,
@@ -109,25 +113,16 @@ def _params():
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory):
+def reports(fresh_python):
+    """One probe run per snapshot, on demand (cached for the module)."""
     cache: dict[Path, dict] = {}
 
     def get(fw: str, folder: Path) -> dict:
         if folder not in cache:
-            out = tmp_path_factory.mktemp(folder.name) / "report.json"
             env = {k: v for k, v in os.environ.items() if not k.startswith("ESS_")}
             env.update(ENV, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-            proc = subprocess.run(
-                [sys.executable, str(PROBE), fw, str(folder), str(out), json.dumps(CASES)],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            assert out.exists(), proc.stderr[-3000:]
-            report = json.loads(out.read_text())
-            assert "crash" not in report, report["crash"]
-            cache[folder] = report
+            code = PROBE.format(here=str(HERE), fw=fw, folder=str(folder), cases=CASES)
+            cache[folder] = fresh_python(code, env, timeout=300).result
         return cache[folder]
 
     return get

@@ -48,7 +48,9 @@ def _series_for(folder: Path) -> str:
 
 @pytest.mark.skipif(not RELEASES, reason=SKIP)
 @pytest.mark.parametrize("folder", RELEASES, ids=lambda f: f.name)
-def test_each_release_has_its_series_and_the_patched_tree_calls_ess_patch(folder, tmp_path):
+def test_each_release_has_its_series_and_the_patched_tree_calls_ess_patch(
+    folder, tmp_path, fresh_python
+):
     tree = _copy(folder, tmp_path)
     check = _cli("check", "--target", str(tree), "--component", "megatron_rl")
     name = _series_for(folder)
@@ -71,14 +73,10 @@ for t in INTEGRATIONS["megatron_rl"].targets:
         continue  # a site this release lacks (initialize.parse_args from core_v0.18)
     assert is_vendored(value), t.path
     seen.append(t.path)
-print("VENDORED", len(seen))
+emit(len(seen))
 """
-    env = child_env(core_version_for(folder), tree)
-    result = subprocess.run(
-        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert "VENDORED" in result.stdout, result.stderr[-3000:]
-    assert int(result.stdout.split("VENDORED")[1]) >= 5
+    vendored = fresh_python(probe, child_env(core_version_for(folder), tree), timeout=600)
+    assert vendored.result >= 5
 
 
 @pytest.mark.skipif(not RELEASES, reason=SKIP)

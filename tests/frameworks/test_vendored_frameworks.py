@@ -19,8 +19,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -113,7 +111,7 @@ def test_framework_tests_pass_on_the_patched_trees_without_install(patched, tmp_
 
 
 @MILES_SLIME
-def test_install_wraps_nothing_on_the_patched_trees_and_says_why(patched, tmp_path):
+def test_install_wraps_nothing_on_the_patched_trees_and_says_why(patched, tmp_path, fresh_python):
     code = f"""
 import importlib, logging, sys
 sys.path.insert(0, {str(FRAMEWORKS)!r})
@@ -139,21 +137,11 @@ for name in ("megatron", "miles", "slime"):
 # after the imports: miles and slime configure the root logger when imported
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s", force=True)
 ess_patch.install(["megatron", "miles", "slime"])
-print("WRAPPED", ess_patch.installed_targets())
-print("MARKED", marked)
+emit(dict(wrapped=ess_patch.installed_targets(), marked=marked))
 """
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=tmp_path,
-        env=_env(patched),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "WRAPPED []" in result.stdout
-    marked = int(result.stdout.split("MARKED ")[1].split()[0])
+    result = fresh_python(code, _env(patched), cwd=tmp_path, timeout=300)
+    assert result.result["wrapped"] == []
+    marked = result.result["marked"]
     # megatron-core 0.16.1, miles, slime: every target (train_critic, and the policy loss
     # targets: the definitions and the names other modules import)
     assert marked == 8 + 13 + 7
@@ -200,7 +188,9 @@ def test_megatron_rl_tests_pass_on_the_patched_tree_without_install(patched_mega
 
 
 @MEGATRON_RL
-def test_install_wraps_nothing_on_the_patched_megatron_rl_tree(patched_megatron_rl, tmp_path):
+def test_install_wraps_nothing_on_the_patched_megatron_rl_tree(
+    patched_megatron_rl, tmp_path, fresh_python
+):
     code = f"""
 import importlib, logging, sys
 sys.path.append({str(patched_megatron_rl)!r})
@@ -217,20 +207,10 @@ for t in integration.targets:
     marked += 1
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s", force=True)
 ess_patch.install("megatron_rl")
-print("WRAPPED", ess_patch.installed_targets())
-print("MARKED", marked)
+emit(dict(wrapped=ess_patch.installed_targets(), marked=marked))
 """
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=tmp_path,
-        env=_mrl_env(patched_megatron_rl),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "WRAPPED []" in result.stdout
-    marked = int(result.stdout.split("MARKED ")[1].split()[0])
+    result = fresh_python(code, _mrl_env(patched_megatron_rl), cwd=tmp_path, timeout=300)
+    assert result.result["wrapped"] == []
+    marked = result.result["marked"]
     assert marked == 7  # every target, the re-imported names included
     assert result.stdout.count("already calls ess-patch (vendored diff") == marked
