@@ -33,7 +33,7 @@ from pathlib import Path
 from packaging.version import InvalidVersion, Version
 
 from .. import __version__
-from ..integrations.megatron import MEGATRON
+from ..integrations.registry import component
 from .apply import PatchStatus, State, apply_series, check_series, conflicting_files, revert_series
 from .series import PatchsetError, discover, patches_dir
 from .trees import DETECTORS, Tree, detect
@@ -41,7 +41,10 @@ from .twin import class_defines, select_series, series_gaps
 
 __all__ = ["CompatRow", "add_parser", "compat_rows", "main", "markdown", "run"]
 
-DISTRIBUTION = "megatron-core"
+#: the release-keyed component this table is about, and its pip distribution
+_CORE = component("megatron")
+MEGATRON = _CORE.integration
+DISTRIBUTION: str = _CORE.distribution  # type: ignore[assignment]
 PYTHON = "3.12"
 
 _EPILOG = """\
@@ -273,7 +276,7 @@ def upstream_versions(minimum: str = "0.14", python: str = PYTHON) -> list[str]:
 def fetch_wheel(version: str, cache: Path, python: str = PYTHON) -> Path:
     """The megatron-core ``version`` wheel for ``python`` in ``cache`` (downloaded if absent)."""
     cache.mkdir(parents=True, exist_ok=True)
-    pattern = f"megatron_core-{version}-*.whl"
+    pattern = f"{DISTRIBUTION.replace('-', '_')}-{version}-*.whl"
     have = sorted(cache.glob(pattern))
     if not have:
         out = _pip(
@@ -313,7 +316,7 @@ class CompatRow:
 
 def check_tree(version: str, root: Path) -> CompatRow:
     """One row: series, ``git apply --check``, symbols and twin check on an unpacked tree."""
-    tree = detect(root, "megatron-core")
+    tree = detect(root, _CORE.folder)
     missing, optional = [], []
     for t in MEGATRON.targets:
         present = class_defines(root, t)
@@ -348,7 +351,7 @@ def markdown(rows: Sequence[CompatRow], *, command: str) -> str:
     """The table, with the date and the versions it was made from."""
     git = subprocess.run(["git", "--version"], capture_output=True, text=True, check=False)
     pip = _pip("--version").stdout.split(" from ")[0]
-    series = ", ".join(s.version for s in discover("megatron-core"))
+    series = ", ".join(s.version for s in discover(_CORE.folder))
     today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
     lines = [
         f"Generated {today} by `{command}` with ess-patch {__version__}, "
