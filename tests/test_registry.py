@@ -216,3 +216,24 @@ def test_reset_forgets_the_shapes_and_signatures_the_integrations_cached():
 
 def test_state_holds_no_integration_cache_itself():
     assert not hasattr(STATE, "shapes") and not hasattr(STATE, "signatures")
+
+
+def test_the_compat_table_covers_the_registry_range_of_megatron_core():
+    from packaging.specifiers import SpecifierSet
+
+    from ess_patch.patchset import cli
+
+    core = component("megatron")
+    assert core.distribution == cli.DISTRIBUTION and cli.MEGATRON is core.integration
+    assert cli.MINIMUM in SpecifierSet(core.supported)
+    assert f">={cli.MINIMUM}" in core.supported.split(",")
+
+
+def test_the_supported_range_of_megatron_core_is_written_once():
+    core = component("megatron")
+    holders = [
+        path.relative_to(PACKAGE.parent).as_posix()
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if core.supported in path.read_text(encoding="utf-8")
+    ]
+    assert holders == ["ess_patch/integrations/megatron.py"]

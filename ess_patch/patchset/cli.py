@@ -7,8 +7,9 @@ Exit status: 0 done (or nothing to do); 1 refused (unknown or dirty tree, confli
 2 usage error.
 
 The compatibility table (``ess-patch patches compat``): which megatron-core releases each
-series (and ``install()``) covers. For every final megatron-core release from 0.14 on that the
-package index lists for Python 3.12 (0.17+ require it, so they are fetched, never installed),
+series (and ``install()``) covers. For every final megatron-core release from the lower bound
+of ``install()``'s supported range on that the package index lists for Python 3.12 (0.17+
+require it, so they are fetched, never installed),
 download the wheel with ``pip download --no-deps --python-version 3.12 --only-binary=:all:``,
 unpack ``megatron/core`` to a scratch folder and report the series ``ess-patch patches apply``
 would choose there and whether it applies (``git apply --check``); whether the symbols
@@ -30,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from .. import __version__
@@ -45,6 +47,8 @@ __all__ = ["CompatRow", "add_parser", "compat_rows", "main", "markdown", "run"]
 _CORE = component("megatron")
 MEGATRON = _CORE.integration
 DISTRIBUTION: str = _CORE.distribution  # type: ignore[assignment]
+#: the oldest release the table covers: the lower bound of the supported range
+MINIMUM = next(s.version for s in SpecifierSet(_CORE.supported) if s.operator == ">=")
 PYTHON = "3.12"
 
 _EPILOG = """\
@@ -117,7 +121,7 @@ def _fill(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--versions",
         nargs="+",
-        help=f"default: every final release >= 0.14 on the index with a Python {PYTHON} wheel "
+        help=f"default: every final release >= {MINIMUM} on the index with a Python {PYTHON} wheel "
         f"(the table targets Python {PYTHON}: wheels are fetched for it, never installed)",
     )
     p.add_argument(
@@ -252,7 +256,7 @@ def _pip(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def upstream_versions(minimum: str = "0.14", python: str = PYTHON) -> list[str]:
+def upstream_versions(minimum: str = MINIMUM, python: str = PYTHON) -> list[str]:
     """Final releases of megatron-core >= ``minimum`` on the index, oldest first.
 
     Raises:
