@@ -18,6 +18,7 @@ from .autoinstall import ENV as AUTO_ENV
 from .autoinstall import requested
 from .config import EssLrConfig
 from .install import INTEGRATIONS, failed_integrations, is_installed
+from .integrations.registry import COMPONENTS, component
 from .integrations.shapes import History
 from .patching import MISSING, UNWRAPPED, VENDORED, WRAPPED, MissingTargetError, target_status
 
@@ -62,19 +63,20 @@ def findable(module: str) -> bool:
 def _versions(report: Report) -> None:
     section = "versions"
     report.add(section, f"python        {platform.python_version()} ({sys.executable})")
-    for dist in ("ess-patch", "torch", "wrapt", "megatron-core"):
+    core = component("megatron")  # the library every integration's optimizers come from
+    for dist in ("ess-patch", "torch", "wrapt", core.distribution):
         found = _version(dist)
         if found is None:
-            if dist == "megatron-core" and findable("megatron.core"):
+            if dist == core.distribution and findable(core.detector):
                 report.add(
                     section,
                     f"{dist:<13} not a distribution (a vendored tree: "
-                    f"{importlib.util.find_spec('megatron.core').origin})",
+                    f"{importlib.util.find_spec(core.detector).origin})",
                 )
-            elif dist == "megatron-core":
+            elif dist == core.distribution:
                 report.problem(
                     section,
-                    "megatron-core is not installed: nothing for install() to "
+                    f"{dist} is not installed: nothing for install() to "
                     "patch (pip install 'ess-patch[megatron]')",
                 )
             else:
@@ -88,16 +90,18 @@ def _versions(report: Report) -> None:
                 f"{dist} {found} is older than {minimum}, the oldest ess-patch "
                 f"supports (pip install -U '{dist}>={minimum}')",
             )
-        if dist == "megatron-core":
-            supported = INTEGRATIONS["megatron"].supported
-            if not INTEGRATIONS["megatron"].supports(found):
-                report.problem(
-                    section,
-                    f"megatron-core {found} is outside the supported range "
-                    f"{supported}; use a supported release or the patches/ "
-                    "series for your version",
-                )
-    for name in ("miles", "slime", "megatron.rl"):
+        if dist == core.distribution and not core.integration.supports(found):
+            report.problem(
+                section,
+                f"{dist} {found} is outside the supported range "
+                f"{core.supported}; use a supported release or the patches/ "
+                "series for your version",
+            )
+    # the components that are source trees, not distributions: where they import from
+    for row in COMPONENTS:
+        if row.distribution is not None:
+            continue
+        name = row.detector
         spec = importlib.util.find_spec(name) if findable(name) else None
         location = (
             spec.submodule_search_locations[0] if spec and spec.submodule_search_locations else None

@@ -21,11 +21,7 @@ import wrapt
 
 from .config import EssLrConfig
 from .integrations import Integration
-from .integrations.megatron import MEGATRON
-from .integrations.megatron_rl import MEGATRON_RL
-from .integrations.miles import MILES
-from .integrations.slime import SLIME
-from .integrations.verl import VERL
+from .integrations.registry import COMPONENTS
 from .patching import Patch, apply, revert, unwrap_copy
 from .state import STATE, disarm
 
@@ -41,9 +37,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-INTEGRATIONS: dict[str, Integration] = {
-    i.name: i for i in (MEGATRON, MILES, SLIME, MEGATRON_RL, VERL)
-}
+#: install()'s integrations by name, from the component registry.
+INTEGRATIONS: dict[str, Integration] = {c.name: c.integration for c in COMPONENTS}
 
 #: Comma-separated integration names, read when ``install(integrations=None)``.
 ENV_INTEGRATIONS = "ESS_PATCH_INTEGRATIONS"
@@ -147,7 +142,9 @@ def _uninstall() -> None:
     INSTALLATION.patches = None
     INSTALLATION.failures = {}
     STATE.config = None
-    STATE.shapes = {}  # re-detected at the next install (the host may have changed)
+    for integration in INTEGRATIONS.values():  # re-detected at the next install (the host
+        if integration.history is not None:  # may have changed)
+            integration.history.clear()
     disarm()
     logger.info("ess-patch uninstalled")
 
@@ -274,7 +271,8 @@ def _roll_back(name: str, error: BaseException) -> None:
     reason = f"{name}: not installed: {error}"
     if not isinstance(error, ImportError):
         reason = f"{name}: not installed: {type(error).__name__}: {error}"
-    STATE.shapes.pop(name, None)
+    if INTEGRATIONS[name].history is not None:
+        INTEGRATIONS[name].history.clear()
     INSTALLATION.failures[name] = reason
     remaining = ", ".join(INSTALLATION.patches or {}) or "none"
     logger.error(

@@ -11,7 +11,7 @@ import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from .config import EssLrConfig
 from .result import EssLrResult, check_scale
@@ -26,6 +26,7 @@ __all__ = [
     "exclude",
     "is_scaled",
     "note_applier",
+    "register_cache",
     "reset",
     "set_role",
 ]
@@ -51,11 +52,9 @@ class _EssState:
     applied_elsewhere: bool = False
     # arm() with nothing to apply it: warned once (reset() re-arms the warning)
     warned_no_effect: bool = False
-    # per host framework, the shape chosen for each aspect (integrations.shapes); cleared by
-    # uninstall() and reset(), since tests change the host modules between installs
-    shapes: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # inspect.Signature per wrapped host function (integrations.binding)
-    signatures: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    # what the integrations remember about the host (shapes chosen, signatures): each cache
+    # lives with its integration and registers here, so that reset() clears every one
+    caches: weakref.WeakSet = field(default_factory=weakref.WeakSet)
     local: threading.local = field(default_factory=threading.local)
     # measured inside the policy loss (ledger.py): the rollout so measured (a LedgerRun), this
     # optimizer step's per-trajectory partial sums ([B, 3] tables, one per loss call) and the
@@ -68,6 +67,23 @@ class _EssState:
 STATE = _EssState()
 
 
+class Cache(Protocol):
+    """Something an integration remembers about the host, forgotten by :func:`reset`."""
+
+    def clear(self) -> None: ...
+
+
+C = TypeVar("C", bound=Cache)
+
+
+def register_cache(cache: C) -> C:
+    """Have :func:`reset` clear ``cache`` (held weakly: it lives with its owner); returns it.
+
+    ``cache`` must hash by identity (a plain object, not a dict)."""
+    STATE.caches.add(cache)
+    return cache
+
+
 def reset() -> None:
     """Forget everything armed or marked (does not unwrap patches: use ``uninstall``)."""
     STATE.armed = None
@@ -77,8 +93,8 @@ def reset() -> None:
     STATE.local = threading.local()
     STATE.warned_no_effect = False
     STATE.applied_elsewhere = False
-    STATE.shapes = {}
-    STATE.signatures = weakref.WeakKeyDictionary()
+    for cache in list(STATE.caches):
+        cache.clear()
     STATE.ledger_run = None
     STATE.ledger = []
     STATE.ledger_error = None

@@ -19,46 +19,16 @@ from .integrations import miles as _miles
 from .integrations import slime as _slime
 from .integrations import verl as _verl
 from .integrations.loss_ledger import log_probs_wrapper, policy_loss_wrapper
-from .integrations.megatron_rl import MEGATRON_RL
-from .integrations.miles import MILES, MILES_FRAMEWORK
+from .integrations.miles import MILES_FRAMEWORK
+from .integrations.registry import COMMIT, COMPONENTS, DECORATORS
 from .integrations.rl_hooks import advantage_wrapper, critic_wrapper, parse_args_wrapper
-from .integrations.slime import SLIME, SLIME_FRAMEWORK
-from .integrations.verl import VERL
+from .integrations.slime import SLIME_FRAMEWORK
 from .lr import step_wrapper
 from .patching import VENDORED_MARK, is_vendored
 from .state import note_applier
 
-__all__ = [
-    "CALL_SITES",
-    "CallSite",
-    "call_sites",
-    "is_vendored",
-    "megatron_rl_align",
-    "megatron_rl_log_metrics",
-    "megatron_rl_packed_stats",
-    "megatron_rl_parse_args",
-    "megatron_rl_prepare",
-    "miles_advantages",
-    "miles_fsdp_train_core",
-    "miles_log_probs",
-    "miles_log_train_step",
-    "miles_parse_args",
-    "miles_policy_loss",
-    "miles_train_critic",
-    "optimizer_step",
-    "slime_advantages",
-    "slime_log",
-    "slime_log_probs",
-    "slime_parse_args",
-    "slime_policy_loss",
-    "slime_train_critic",
-    "verl_engine_train_batch",
-    "verl_engine_update_actor",
-    "verl_fsdp_update_policy",
-    "verl_minibatch_iterator",
-    "verl_omega_conf_to_dataclass",
-    "verl_update_policy",
-]
+# the decorators are the registry's names (tests/test_registry.py checks each is defined here)
+__all__ = ["CALL_SITES", "CallSite", "call_sites", "is_vendored", *DECORATORS]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -186,8 +156,8 @@ def call_sites(integration: Integration) -> tuple[CallSite, ...]:
     )
 
 
-#: Per framework, its call sites: tools/framework_series.py writes the diffs from this
-#: table; ``ess_patch.patchset`` checks them against install().
+#: Per framework (a commit-keyed series), its call sites: tools/framework_series.py writes the
+#: diffs from this table; ``ess_patch.patchset`` checks them against install().
 CALL_SITES: dict[str, tuple[CallSite, ...]] = {
-    i.name: call_sites(i) for i in (MILES, SLIME, MEGATRON_RL, VERL)
+    c.name: call_sites(c.integration) for c in COMPONENTS if c.series == COMMIT
 }

@@ -44,6 +44,7 @@ from skips import missing_snapshot
 import ess_patch
 import ess_patch.vendored
 from ess_patch import patchset
+from ess_patch.integrations.registry import component
 from ess_patch.patchset import ConflictError, DirtyTreeError, State, UnknownTreeError
 from ess_patch.patchset.cli import main as patches_main
 
@@ -482,15 +483,20 @@ _MILES_FILES = (
     "miles/backends/megatron_utils/actor.py",  # MegatronTrainRayActor.train_critic
 )
 _SLIME_LOG = ("slime/observability/logging_utils.py", "slime/utils/logging_utils.py")
+
+
+def _snapshot(name: str) -> str:
+    """The upstream commit the component's newest series is cut from (the registry's)."""
+    return component(name).snapshot  # type: ignore[return-value]
+
+
 FRAMEWORKS = {
-    "miles": Snapshot(
-        "miles", "MILES_SRC", "31f1ca961a94cb860cec3b2dea34ec332bfa8f76", _MILES_FILES
-    ),
+    "miles": Snapshot("miles", "MILES_SRC", _snapshot("miles"), _MILES_FILES),
     "miles-v0.1.0": Snapshot("miles", "MILES_RELEASE_SRC", "78527b910", _MILES_FILES),
     "slime": Snapshot(
         "slime",
         "SLIME_SRC",
-        "624b824a898ab0ec1fcb4d373004c7f3852bf515",
+        _snapshot("slime"),
         (
             "slime/utils/arguments.py",
             "slime/backends/megatron_utils/loss.py",
@@ -516,7 +522,7 @@ FRAMEWORKS = {
     "megatron_rl": Snapshot(
         "megatron_rl",
         "MEGATRON_RL_SRC",
-        "55ac7082517c3878ae653c07c09c534b8aed49f6",
+        _snapshot("megatron_rl"),
         (
             "megatron/training/arguments.py",
             "megatron/rl/rl_utils.py",

@@ -27,6 +27,9 @@ class Integration:
     targets: tuple[Target, ...]
     #: a framework with a history: its known shapes, one chosen per aspect at import time
     history: History | None = None
+    #: the upstream commit its newest ``patches/`` series and the framework tests are cut
+    #: from (None: series keyed by release)
+    snapshot: str | None = None
 
     @property
     def modules(self) -> tuple[str, ...]:

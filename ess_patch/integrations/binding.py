@@ -9,18 +9,38 @@ The frameworks reorder and insert parameters across their history (miles'
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ..state import STATE
+from ..state import register_cache
 
 __all__ = ["bind", "call_with", "parameters"]
+
+
+class _Signatures:
+    """``inspect.Signature`` per wrapped host function, held weakly (cleared by reset())."""
+
+    def __init__(self) -> None:
+        self._by_function: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def get(self, function: Any) -> inspect.Signature | None:
+        return self._by_function.get(function)
+
+    def __setitem__(self, function: Any, signature: inspect.Signature) -> None:
+        self._by_function[function] = signature
+
+    def clear(self) -> None:
+        self._by_function.clear()
+
+
+_SIGNATURES = register_cache(_Signatures())
 
 
 def _signature(function: Callable[..., Any]) -> inspect.Signature | None:
     key = getattr(function, "__func__", function)
     try:
-        cached = STATE.signatures.get(key)
+        cached = _SIGNATURES.get(key)
     except TypeError:  # not weak-referenceable (a functools.partial of a method...)
         cached, key = None, None
     if cached is not None:
@@ -30,7 +50,7 @@ def _signature(function: Callable[..., Any]) -> inspect.Signature | None:
     except (TypeError, ValueError):  # a builtin without a signature
         return None
     if key is not None:
-        STATE.signatures[key] = signature
+        _SIGNATURES[key] = signature
     return signature
 
 

@@ -66,6 +66,9 @@ SUPPORTED = (
     "radixark's miles-main fork @2e64d788b; core_v0.19 / main shapes detected by feature"
 )
 NAME = "megatron_rl"
+#: the upstream commit (Megatron-LM tag core_v0.16.1) the newest patches/ series and the
+#: framework tests are cut from
+SNAPSHOT = "55ac7082517c3878ae653c07c09c534b8aed49f6"
 
 _RL_UTILS = "megatron.rl.rl_utils"
 _PACKING = "megatron.rl.sequence_packing_utils"
@@ -562,7 +565,7 @@ def parse_args_wrapper(
     if getattr(parsed, "perform_rl_step", False):
         validate(MEGATRON_RL_FRAMEWORK, parsed)
         if requested:  # decided afresh for this run: an unknown tree fails here, not later
-            STATE.shapes.pop(NAME, None)
+            MEGATRON_RL_HISTORY.clear()
             MEGATRON_RL_HISTORY.choose_all()
     elif requested and host_flags and not host_flags[0]:
         raise ValueError(
@@ -577,6 +580,7 @@ def parse_args_wrapper(
 
 MEGATRON_RL = Integration(
     name=NAME,
+    snapshot=SNAPSHOT,
     distribution=None,
     supported=SUPPORTED,
     targets=(

@@ -66,8 +66,12 @@ from .rl_hooks import (
 )
 from .shapes import Aspect, Feature, History, Shape
 
+#: the integration's name (install(), the registry, the shape history)
+NAME = "miles"
+#: the upstream commit the newest patches/ series and the framework tests are cut from
+SNAPSHOT = "31f1ca961a94cb860cec3b2dea34ec332bfa8f76"
 SUPPORTED = (
-    "miles from 2026-01-12 (training_utils with ParallelState) to @31f1ca961 (2026-08-21), "
+    f"miles from 2026-01-12 (training_utils with ParallelState) to @{SNAPSHOT[:9]} (2026-08-21), "
     "release v0.1.0 included"
 )
 
@@ -145,7 +149,7 @@ def _advantage(*parameters: str) -> Feature:
 
 
 MILES_HISTORY = History(
-    framework="miles",
+    framework=NAME,
     supported=SUPPORTED,
     aspects=(
         Aspect(
@@ -288,7 +292,7 @@ def _unsupported_reason(args: argparse.Namespace) -> str | None:
 
 
 MILES_FRAMEWORK = Framework(
-    name="miles",
+    name=NAME,
     groups=lambda: _call_groups({}),
     no_input_reason=_no_input_reason,
     unsupported_reason=_unsupported_reason,
@@ -336,7 +340,8 @@ _LOG_SITES = (_LOG, "miles.backends.megatron_utils.model", _FSDP)
 
 
 MILES = Integration(
-    name="miles",
+    name=NAME,
+    snapshot=SNAPSHOT,
     distribution=None,
     supported=SUPPORTED,
     targets=(
@@ -344,7 +349,7 @@ MILES = Integration(
         # the policy loss: in loss_hub/losses.py from 2026-05-21 (its log-probs from
         # loss_hub/logit_processors.py), both in loss.py before
         *loss_targets(
-            "miles",
+            NAME,
             (f"{_HUB}.losses", _LOSS),
             {
                 "policy_loss_function": f"{_HUB}.losses",

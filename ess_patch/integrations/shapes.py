@@ -6,7 +6,8 @@ hook's parameters, which module holds the train-step log. A framework lists, per
 :class:`Feature` s (module, symbol, parameter names) that identify it. The first shape whose
 features are all present is chosen -- by feature, never by commit id -- when a module that
 needs the answer is imported (``Aspect.when``), or when ``--use-ess-lr`` is parsed, and is
-recorded in ``STATE.shapes`` for ``ess-patch doctor`` and ``install.installed_shapes()``.
+recorded on the :class:`History` (forgotten by ``uninstall()`` and ``state.reset()``) for
+``ess-patch doctor`` and ``install.installed_shapes()``.
 No shape fits: :class:`~ess_patch.patching.MissingTargetError` naming the framework, what is
 missing and the supported range.
 """
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..patching import MissingTargetError
-from ..state import STATE
+from ..state import register_cache
 
 __all__ = ["Aspect", "Feature", "History", "Shape"]
 
@@ -103,13 +104,23 @@ class Aspect:
     phrase: str = "{label}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity: each one registers its choices
 class History:
     """The shapes one framework has had; picks and records the one this process runs."""
 
     framework: str
     supported: str
     aspects: tuple[Aspect, ...]
+    # aspect name -> the shape chosen in this process; forgotten by uninstall() and
+    # state.reset(), since tests change the host modules between installs
+    _chosen: dict[str, Shape] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        register_cache(self)
+
+    def clear(self) -> None:
+        """Forget the shapes chosen (they are detected again when next needed)."""
+        self._chosen.clear()
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -128,7 +139,7 @@ class History:
         Raises:
             MissingTargetError: no known shape fits, naming what each one misses.
         """
-        chosen = STATE.shapes.setdefault(self.framework, {})
+        chosen = self._chosen
         if name in chosen:
             return chosen[name]
         aspect = self.aspect(name)
@@ -157,7 +168,7 @@ class History:
 
     def describe(self) -> str:
         """The recorded choices in words, e.g. "miles: groups from ...; metrics via ..."."""
-        chosen = STATE.shapes.get(self.framework, {})
+        chosen = self._chosen
         parts = [
             a.phrase.format(label=chosen[a.name].label) for a in self.aspects if a.name in chosen
         ]

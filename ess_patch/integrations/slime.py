@@ -65,8 +65,13 @@ from .rl_hooks import (
 )
 from .shapes import Aspect, Feature, History, Shape
 
+#: the integration's name (install(), the registry, the shape history)
+NAME = "slime"
+#: the upstream commit the newest patches/ series and the framework tests are cut from
+SNAPSHOT = "624b824a898ab0ec1fcb4d373004c7f3852bf515"
 SUPPORTED = (
-    "slime v0.2.0 (2025-11-28) to @624b824a8 (2026-08-21), releases v0.3.0 and v0.3.1 included"
+    f"slime v0.2.0 (2025-11-28) to @{SNAPSHOT[:9]} (2026-08-21), "
+    "releases v0.3.0 and v0.3.1 included"
 )
 
 _LOSS = "slime.backends.megatron_utils.loss"
@@ -80,7 +85,7 @@ _LOG_MODULES = (
 
 
 SLIME_HISTORY = History(
-    framework="slime",
+    framework=NAME,
     supported=SUPPORTED,
     aspects=(
         Aspect(
@@ -164,7 +169,7 @@ def _no_input_reason(args: argparse.Namespace) -> str | None:
 
 
 SLIME_FRAMEWORK = Framework(
-    name="slime",
+    name=NAME,
     groups=megatron_groups,
     no_input_reason=_no_input_reason,
     unsupported_reason=_unsupported_reason,
@@ -193,13 +198,14 @@ _ACTOR = "slime.backends.megatron_utils.actor"
 _ADVANTAGE_SITES = (_LOSS, _ACTOR)
 
 SLIME = Integration(
-    name="slime",
+    name=NAME,
+    snapshot=SNAPSHOT,
     distribution=None,
     supported=SUPPORTED,
     targets=(
         *common_targets(SLIME_FRAMEWORK, "slime.utils.arguments", _ADVANTAGE_SITES),
         *loss_targets(
-            "slime",
+            NAME,
             (_LOSS,),
             {"policy_loss_function": _LOSS, "get_log_probs_and_entropy": _LOSS},
         ),

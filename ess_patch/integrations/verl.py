@@ -57,8 +57,12 @@ __all__ = ["VERL", "VERL_HISTORY", "VerlSettings", "settings"]
 
 logger = logging.getLogger(__name__)
 
+#: the integration's name (install(), the registry, the shape history)
+NAME = "verl"
+#: the upstream commit the newest patches/ series and the framework tests are cut from
+SNAPSHOT = "b178a3cd56f58b2d502255daba591e92833930a7"
 SUPPORTED = (
-    "verl v0.7.0 (2026-01-05) to @b178a3cd5 (2026-01-29): the Megatron actor (legacy worker "
+    f"verl v0.7.0 (2026-01-05) to @{SNAPSHOT[:9]} (2026-01-29): the Megatron actor (legacy worker "
     "and engine path)"
 )
 
@@ -570,7 +574,7 @@ def _engine_metrics(output: Any) -> dict | None:
 # --- shapes and targets ------------------------------------------------------------------------
 
 VERL_HISTORY = History(
-    framework="verl",
+    framework=NAME,
     supported=SUPPORTED,
     aspects=(
         Aspect(
@@ -627,7 +631,8 @@ VERL_HISTORY = History(
 )
 
 VERL = Integration(
-    name="verl",
+    name=NAME,
+    snapshot=SNAPSHOT,
     distribution="verl",
     supported=">=0.7.0",
     targets=(

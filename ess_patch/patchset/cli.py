@@ -7,8 +7,9 @@ Exit status: 0 done (or nothing to do); 1 refused (unknown or dirty tree, confli
 2 usage error.
 
 The compatibility table (``ess-patch patches compat``): which megatron-core releases each
-series (and ``install()``) covers. For every final megatron-core release from 0.14 on that the
-package index lists for Python 3.12 (0.17+ require it, so they are fetched, never installed),
+series (and ``install()``) covers. For every final megatron-core release from the lower bound
+of ``install()``'s supported range on that the package index lists for Python 3.12 (0.17+
+require it, so they are fetched, never installed),
 download the wheel with ``pip download --no-deps --python-version 3.12 --only-binary=:all:``,
 unpack ``megatron/core`` to a scratch folder and report the series ``ess-patch patches apply``
 would choose there and whether it applies (``git apply --check``); whether the symbols
@@ -30,10 +31,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from .. import __version__
-from ..integrations.megatron import MEGATRON
+from ..integrations.registry import component
 from .apply import PatchStatus, State, apply_series, check_series, conflicting_files, revert_series
 from .series import PatchsetError, discover, patches_dir
 from .trees import DETECTORS, Tree, detect
@@ -41,7 +43,12 @@ from .twin import class_defines, select_series, series_gaps
 
 __all__ = ["CompatRow", "add_parser", "compat_rows", "main", "markdown", "run"]
 
-DISTRIBUTION = "megatron-core"
+#: the release-keyed component this table is about, and its pip distribution
+_CORE = component("megatron")
+MEGATRON = _CORE.integration
+DISTRIBUTION: str = _CORE.distribution  # type: ignore[assignment]
+#: the oldest release the table covers: the lower bound of the supported range
+MINIMUM = next(s.version for s in SpecifierSet(_CORE.supported) if s.operator == ">=")
 PYTHON = "3.12"
 
 _EPILOG = """\
@@ -114,7 +121,7 @@ def _fill(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--versions",
         nargs="+",
-        help=f"default: every final release >= 0.14 on the index with a Python {PYTHON} wheel "
+        help=f"default: every final release >= {MINIMUM} on the index with a Python {PYTHON} wheel "
         f"(the table targets Python {PYTHON}: wheels are fetched for it, never installed)",
     )
     p.add_argument(
@@ -249,7 +256,7 @@ def _pip(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def upstream_versions(minimum: str = "0.14", python: str = PYTHON) -> list[str]:
+def upstream_versions(minimum: str = MINIMUM, python: str = PYTHON) -> list[str]:
     """Final releases of megatron-core >= ``minimum`` on the index, oldest first.
 
     Raises:
@@ -273,7 +280,7 @@ def upstream_versions(minimum: str = "0.14", python: str = PYTHON) -> list[str]:
 def fetch_wheel(version: str, cache: Path, python: str = PYTHON) -> Path:
     """The megatron-core ``version`` wheel for ``python`` in ``cache`` (downloaded if absent)."""
     cache.mkdir(parents=True, exist_ok=True)
-    pattern = f"megatron_core-{version}-*.whl"
+    pattern = f"{DISTRIBUTION.replace('-', '_')}-{version}-*.whl"
     have = sorted(cache.glob(pattern))
     if not have:
         out = _pip(
@@ -313,7 +320,7 @@ class CompatRow:
 
 def check_tree(version: str, root: Path) -> CompatRow:
     """One row: series, ``git apply --check``, symbols and twin check on an unpacked tree."""
-    tree = detect(root, "megatron-core")
+    tree = detect(root, _CORE.folder)
     missing, optional = [], []
     for t in MEGATRON.targets:
         present = class_defines(root, t)
@@ -348,7 +355,7 @@ def markdown(rows: Sequence[CompatRow], *, command: str) -> str:
     """The table, with the date and the versions it was made from."""
     git = subprocess.run(["git", "--version"], capture_output=True, text=True, check=False)
     pip = _pip("--version").stdout.split(" from ")[0]
-    series = ", ".join(s.version for s in discover("megatron-core"))
+    series = ", ".join(s.version for s in discover(_CORE.folder))
     today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
     lines = [
         f"Generated {today} by `{command}` with ess-patch {__version__}, "

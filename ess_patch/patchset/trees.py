@@ -5,7 +5,7 @@ tree's files to a scratch folder.
 Every git call runs without the caller's ``GIT_*`` variables and in the C locale (its messages
 are parsed); a missing git raises :class:`~.series.PatchsetError`.
 
-One detector per component (:data:`DETECTORS`). megatron-core reads its version from
+One detector per component of the registry (:data:`DETECTORS`). megatron-core reads its version from
 ``megatron/core/package_info.py`` (parsed, not imported) or from package metadata. miles and
 slime (series keyed by upstream commit) are told by the checkout's git HEAD, or, for a
 snapshot without git, by :func:`fingerprint`: the git blob ids of the files a series touches
@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from email.parser import HeaderParser
 from pathlib import Path
 
+from ..integrations.registry import COMPONENTS, RELEASE, Component
+from ..integrations.registry import component as component_row
 from .series import DIFF_HEADER, PatchsetError, Series, UnknownTreeError, discover, matches
 
 __all__ = [
@@ -209,23 +211,33 @@ def _metadata_version(path: Path, names: set[str]) -> str | None:
     return headers.get("Version") if name in names else None
 
 
-def _detect_megatron_core(target: Path) -> Tree | None:
-    root = target
-    if target.name == "core" and target.parent.name == "megatron":
-        root = target.parent.parent  # pointed at megatron/core itself
-    if not (root / "megatron" / "core" / "__init__.py").is_file():
-        return None
-    info = root / "megatron" / "core" / "package_info.py"
-    if info.is_file():
-        v = _literal_assignments(info, ("MAJOR", "MINOR", "PATCH", "PRE_RELEASE"))
-        if all(k in v for k in ("MAJOR", "MINOR", "PATCH")):
-            version = f"{v['MAJOR']}.{v['MINOR']}.{v['PATCH']}{v.get('PRE_RELEASE') or ''}"
-            return Tree(root, "megatron-core", version, "megatron/core/package_info.py")
-    names = {"megatron-core"}
-    for meta in [root / "PKG-INFO", *sorted(root.glob("megatron_core-*.dist-info/METADATA"))]:
-        if meta.is_file() and (version := _metadata_version(meta, names)):
-            return Tree(root, "megatron-core", version, str(meta.relative_to(root)))
-    return Tree(root, "megatron-core", None, "megatron/core/__init__.py")
+def _release_tree(row: Component) -> Callable[[Path], Tree | None]:
+    """Detector for megatron-core (a release-keyed component): its version from
+    ``<package>/package_info.py`` (parsed, not imported), else from package metadata."""
+    package = row.tree_package  # megatron/core
+    parent, leaf = package.rsplit("/", 1)
+    folder = row.folder or row.name
+    dist = row.distribution or folder
+
+    def detect(target: Path) -> Tree | None:
+        root = target
+        if target.name == leaf and target.parent.name == parent:
+            root = target.parent.parent  # pointed at megatron/core itself
+        if not (root / package / "__init__.py").is_file():
+            return None
+        info = root / package / "package_info.py"
+        if info.is_file():
+            v = _literal_assignments(info, ("MAJOR", "MINOR", "PATCH", "PRE_RELEASE"))
+            if all(k in v for k in ("MAJOR", "MINOR", "PATCH")):
+                version = f"{v['MAJOR']}.{v['MINOR']}.{v['PATCH']}{v.get('PRE_RELEASE') or ''}"
+                return Tree(root, folder, version, f"{package}/package_info.py")
+        wheel = dist.replace("-", "_")
+        for meta in [root / "PKG-INFO", *sorted(root.glob(f"{wheel}-*.dist-info/METADATA"))]:
+            if meta.is_file() and (version := _metadata_version(meta, {dist})):
+                return Tree(root, folder, version, str(meta.relative_to(root)))
+        return Tree(root, folder, None, f"{package}/__init__.py")
+
+    return detect
 
 
 def _package_checkout(component: str, package: str) -> Callable[[Path], Tree | None]:
@@ -264,23 +276,21 @@ def _package_checkout(component: str, package: str) -> Callable[[Path], Tree | N
     return detect
 
 
-#: component name -> detector; a component's series live in ``patches/<component>/``.
+def _detector(row: Component) -> Callable[[Path], Tree | None]:
+    if row.series == RELEASE:  # megatron-core: told by its version, not by a commit
+        return _release_tree(row)
+    return _package_checkout(row.folder, row.tree_package)  # type: ignore[arg-type]
+
+
+#: component (``patches/`` folder) -> detector, from the component registry. Megatron-LM's own
+#: RL loop (megatron_rl) sits in a checkout that also holds megatron/core, so detection asks
+#: which of the two is meant.
 DETECTORS: dict[str, Callable[[Path], Tree | None]] = {
-    "megatron-core": _detect_megatron_core,
-    "miles": _package_checkout("miles", "miles"),
-    "slime": _package_checkout("slime", "slime"),
-    # Megatron-LM's own RL loop (train_rl.py): a Megatron-LM checkout or snapshot; a full
-    # checkout also holds megatron/core, so detection asks which of the two is meant.
-    "megatron_rl": _package_checkout("megatron_rl", "megatron/rl"),
-    "verl": _package_checkout("verl", "verl"),
+    row.folder: _detector(row) for row in COMPONENTS if row.folder is not None
 }
 
 _EVIDENCE = {
-    "megatron-core": "megatron/core/__init__.py",
-    "miles": "miles/__init__.py",
-    "slime": "slime/__init__.py",
-    "megatron_rl": "megatron/rl/__init__.py",
-    "verl": "verl/__init__.py",
+    row.folder: f"{row.tree_package}/__init__.py" for row in COMPONENTS if row.folder is not None
 }
 
 
@@ -313,11 +323,13 @@ def detect(target: Path, component: str | None = None) -> Tree:
             "Point --target at the tree root (e.g. a Megatron-LM checkout) or pass --component"
         )
     names = {t.component for t in trees}
-    if names == {"megatron-core", "megatron_rl"}:
+    core_folder = component_row("megatron").folder
+    rl_folder = component_row("megatron_rl").folder
+    if names == {core_folder, rl_folder}:
         # A Megatron-LM checkout: its optimizers (megatron-core) are what every Megatron user
         # vendors, as before megatron_rl had a series; Megatron-RL is the opt-in second one.
-        core = next(t for t in trees if t.component == "megatron-core")
-        note = "; it also holds megatron/rl: --component megatron_rl patches Megatron-RL"
+        core = next(t for t in trees if t.component == core_folder)
+        note = f"; it also holds megatron/rl: --component {rl_folder} patches Megatron-RL"
         return dataclasses.replace(core, evidence=core.evidence + note)
     if len(trees) > 1:
         raise UnknownTreeError(

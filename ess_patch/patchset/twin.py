@@ -16,6 +16,7 @@ from typing import Protocol
 
 from packaging.version import InvalidVersion, Version
 
+from ..integrations.registry import COMPONENTS
 from ..patching import Target
 from .apply import PatchStatus, State, check_series, conflicting_files
 from .series import Series, UnknownTreeError, discover, matches, patches_dir, version_key
@@ -148,13 +149,7 @@ def vendored_imports(root: Path, rel: str) -> dict[str, str]:
 # The gaps between a patched tree and install().
 
 #: A ``patches/`` component -> the ``install()`` integration whose targets its series decorate.
-INTEGRATION_OF = {
-    "megatron-core": "megatron",
-    "miles": "miles",
-    "slime": "slime",
-    "megatron_rl": "megatron_rl",
-    "verl": "verl",
-}
+INTEGRATION_OF = {row.folder: row.name for row in COMPONENTS if row.folder is not None}
 
 _Site = tuple[str, str, str]  # (file, owner or "", function): where a definition is
 
