@@ -64,16 +64,16 @@ def _versions(report: Report) -> None:
     section = "versions"
     report.add(section, f"python        {platform.python_version()} ({sys.executable})")
     core = component("megatron")  # the library every integration's optimizers come from
-    for dist in ("ess-patch", "torch", "wrapt", core.distribution):
+    for dist in ("ess-patch", "torch", "wrapt", core.integration.distribution):
         found = _version(dist)
         if found is None:
-            if dist == core.distribution and findable(core.detector):
+            if dist == core.integration.distribution and findable(core.detector):
                 report.add(
                     section,
                     f"{dist:<13} not a distribution (a vendored tree: "
                     f"{importlib.util.find_spec(core.detector).origin})",
                 )
-            elif dist == core.distribution:
+            elif dist == core.integration.distribution:
                 report.problem(
                     section,
                     f"{dist} is not installed: nothing for install() to "
@@ -90,16 +90,16 @@ def _versions(report: Report) -> None:
                 f"{dist} {found} is older than {minimum}, the oldest ess-patch "
                 f"supports (pip install -U '{dist}>={minimum}')",
             )
-        if dist == core.distribution and not core.integration.supports(found):
+        if dist == core.integration.distribution and not core.integration.supports(found):
             report.problem(
                 section,
                 f"{dist} {found} is outside the supported range "
-                f"{core.supported}; use a supported release or the patches/ "
+                f"{core.integration.supported}; use a supported release or the patches/ "
                 "series for your version",
             )
     # the components that are source trees, not distributions: where they import from
     for row in COMPONENTS:
-        if row.distribution is not None:
+        if row.integration.distribution is not None:
             continue
         name = row.detector
         spec = importlib.util.find_spec(name) if findable(name) else None

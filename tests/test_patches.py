@@ -487,7 +487,7 @@ _SLIME_LOG = ("slime/observability/logging_utils.py", "slime/utils/logging_utils
 
 def _snapshot(name: str) -> str:
     """The upstream commit the component's newest series is cut from (the registry's)."""
-    return component(name).snapshot  # type: ignore[return-value]
+    return component(name).integration.snapshot  # type: ignore[return-value]
 
 
 FRAMEWORKS = {

@@ -61,17 +61,18 @@ def test_every_declared_patch_folder_holds_series_and_every_folder_is_a_row():
         assert versions, f"patches/{row.folder}/ holds no series"
         if row.series == COMMIT:
             # the snapshot the newest series and the framework tests are cut from has one
-            assert row.snapshot is not None and len(row.snapshot) == 40
-            assert any(matches(v, row.snapshot) for v in versions), (row.folder, versions)
+            snapshot = row.integration.snapshot
+            assert snapshot is not None and len(snapshot) == 40
+            assert any(matches(v, snapshot) for v in versions), (row.folder, versions)
         else:
-            assert row.series == RELEASE and row.snapshot is None
+            assert row.series == RELEASE and row.integration.snapshot is None
 
 
 def test_patches_readme_names_each_snapshot_commit():
     readme = (TESTS.parent / "patches" / "README.md").read_text(encoding="utf-8")
     for row in COMPONENTS:
-        if row.snapshot is not None:
-            assert f"@{row.snapshot}" in readme, row.name
+        if row.integration.snapshot is not None:
+            assert f"@{row.integration.snapshot}" in readme, row.name
 
 
 def test_the_patch_tools_tables_are_the_registry_folders():
@@ -94,10 +95,10 @@ def test_doctor_lists_every_source_tree_component_and_the_core_distribution():
     _versions(report)
     lines = report.sections["versions"]
     for row in COMPONENTS:
-        if row.distribution is None:
+        if row.integration.distribution is None:
             assert any(line.startswith(f"{row.detector} ") for line in lines), row.name
     core = component("megatron")
-    assert any(line.startswith(f"{core.distribution} ") for line in lines)
+    assert any(line.startswith(f"{core.integration.distribution} ") for line in lines)
 
 
 def test_the_vendored_decorators_are_the_registry_names():
@@ -224,9 +225,9 @@ def test_the_compat_table_covers_the_registry_range_of_megatron_core():
     from ess_patch.patchset import cli
 
     core = component("megatron")
-    assert core.distribution == cli.DISTRIBUTION and cli.MEGATRON is core.integration
-    assert cli.MINIMUM in SpecifierSet(core.supported)
-    assert f">={cli.MINIMUM}" in core.supported.split(",")
+    assert core.integration.distribution == cli.DISTRIBUTION and cli.MEGATRON is core.integration
+    assert cli.MINIMUM in SpecifierSet(core.integration.supported)
+    assert f">={cli.MINIMUM}" in core.integration.supported.split(",")
 
 
 def test_the_supported_range_of_megatron_core_is_written_once():
@@ -234,6 +235,6 @@ def test_the_supported_range_of_megatron_core_is_written_once():
     holders = [
         path.relative_to(PACKAGE.parent).as_posix()
         for path in sorted(PACKAGE.rglob("*.py"))
-        if core.supported in path.read_text(encoding="utf-8")
+        if core.integration.supported in path.read_text(encoding="utf-8")
     ]
     assert holders == ["ess_patch/integrations/megatron.py"]

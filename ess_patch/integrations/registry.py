@@ -32,8 +32,9 @@ class Component:
 
     ``detector``: the module whose presence means the component is here (``doctor``); its
     path (``megatron/core``) is what the patch tool looks for in a tree. ``folder``: its
-    ``patches/`` folder, None without a series. ``snapshot``: the upstream commit the newest
-    series and the framework tests are cut from (None for release-keyed series).
+    ``patches/`` folder, None without a series. Its distribution, supported range and
+    snapshot (the upstream commit the newest series and the framework tests are cut from)
+    are the integration's own fields: ``row.integration.snapshot``.
     """
 
     integration: Integration
@@ -46,18 +47,6 @@ class Component:
     def name(self) -> str:
         """``install()``'s integration name (``ESS_PATCH_INTEGRATIONS``)."""
         return self.integration.name
-
-    @property
-    def distribution(self) -> str | None:
-        return self.integration.distribution
-
-    @property
-    def supported(self) -> str:
-        return self.integration.supported
-
-    @property
-    def snapshot(self) -> str | None:
-        return self.integration.snapshot
 
     @property
     def tree_package(self) -> str:

@@ -46,9 +46,9 @@ __all__ = ["CompatRow", "add_parser", "compat_rows", "main", "markdown", "run"]
 #: the release-keyed component this table is about, and its pip distribution
 _CORE = component("megatron")
 MEGATRON = _CORE.integration
-DISTRIBUTION: str = _CORE.distribution  # type: ignore[assignment]
+DISTRIBUTION: str = _CORE.integration.distribution  # type: ignore[assignment]
 #: the oldest release the table covers: the lower bound of the supported range
-MINIMUM = next(s.version for s in SpecifierSet(_CORE.supported) if s.operator == ">=")
+MINIMUM = next(s.version for s in SpecifierSet(_CORE.integration.supported) if s.operator == ">=")
 PYTHON = "3.12"
 
 _EPILOG = """\

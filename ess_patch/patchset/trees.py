@@ -217,7 +217,7 @@ def _release_tree(row: Component) -> Callable[[Path], Tree | None]:
     package = row.tree_package  # megatron/core
     parent, leaf = package.rsplit("/", 1)
     folder = row.folder or row.name
-    dist = row.distribution or folder
+    dist = row.integration.distribution or folder
 
     def detect(target: Path) -> Tree | None:
         root = target
