@@ -1,13 +1,13 @@
-"""Start the demo's ranks as local processes (gloo) and collect what they recorded.
+"""Start the demo's ranks as local processes and collect what they recorded.
 
 Each rank is a forkserver child (torch and megatron-core preloaded once: a launch costs
 milliseconds, not a fresh import per rank) that joins a gloo world (NCCL with
-``device="cuda"``: one GPU per rank) through a ``FileStore``, sets up megatron's real ``parallel_state.initialize_model_parallel`` with the requested
-DP x TP x PP layout and runs :func:`ess_patch.demo.train.run_rank`. Each rank logs
-to ``<out>/ranks/rank<r>.log``. A rank that raises writes its traceback next to its log and
-exits at once (its peers then fail fast on the closed connections); the others get
-:data:`FAIL_GRACE_S` seconds, then are stopped, and :class:`DemoError` carries the traceback
-of the rank that failed first.
+``device="cuda"``: one GPU per rank) through a ``FileStore``, sets up megatron's real
+``parallel_state.initialize_model_parallel`` with the requested DP x TP x PP layout and runs
+:func:`ess_patch.demo.train.run_rank`. Each rank logs to ``<out>/ranks/rank<r>.log``. A rank
+that raises writes its traceback next to its log and exits at once (its peers then fail fast
+on the closed connections); the others get :data:`FAIL_GRACE_S` seconds, then are stopped,
+and :class:`DemoError` carries the traceback of the rank that failed first.
 """
 
 from __future__ import annotations

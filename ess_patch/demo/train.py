@@ -431,16 +431,19 @@ def _sample(
     logp = torch.empty(rows, n, dtype=torch.float32, device=device)
     lags = torch.empty(rows, dtype=torch.long)
     expanded = prompts.repeat_interleave(cfg.group_size, dim=0)
-    for w, lag in enumerate(lags_by_worker):
-        mine = (owner == w).nonzero().flatten()
+    available = len(versions) - 1
+    # workers whose weights are equally old hold the same weights: one engine pass for them
+    for lag in sorted(set(lags_by_worker)):
+        workers = [w for w, x in enumerate(lags_by_worker) if x == lag]
+        mine = torch.isin(owner, torch.tensor(workers)).nonzero().flatten()
         if not mine.numel():
             continue
         idx = (mine[:, None] * cfg.group_size + torch.arange(cfg.group_size)).flatten()
-        engine.load(versions[-1 - min(lag, len(versions) - 1)])
+        engine.load(versions[-1 - min(lag, available)])
         out = engine.sample(expanded[idx.to(device)], n, gen)
         tokens[idx.to(device)] = out.tokens
         logp[idx.to(device)] = out.logp
-        lags[idx] = min(lag, len(versions) - 1)
+        lags[idx] = min(lag, available)
     r = task_mod.rewards(tokens, task_mod.targets(cfg.task, expanded, n))
     grouped = r.view(-1, cfg.group_size)
     adv = (grouped - grouped.mean(dim=1, keepdim=True)).flatten()
