@@ -55,7 +55,7 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
             "folder. Context parallelism is not offered: megatron's local attention has none."
         ),
     )
-    demo.add_argument("--steps", type=int, help="optimizer steps (= rollouts) per arm [200]")
+    demo.add_argument("--steps", type=int, help="optimizer steps (= rollouts) per arm [150]")
     demo.add_argument("--lag", type=int, help="maximum staleness of a rollout, in updates [8]")
     demo.add_argument("--workers", type=int, help="rollout workers per data-parallel rank [4]")
     demo.add_argument("--seed", type=int, help="seed of the model, the task and the rollouts [0]")
@@ -73,7 +73,7 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--task", choices=("sort", "reverse", "add"), help="the task [sort]")
     demo.add_argument("--response-len", type=int, help="response tokens, 1..256 [16]")
     demo.add_argument("--layers", type=int, help="transformer layers [2]")
-    demo.add_argument("--lr", type=float, help="peak learning rate (Adam) [3e-3]")
+    demo.add_argument("--lr", type=float, help="peak learning rate (Adam) [1e-3]")
     demo.add_argument(
         "--loss",
         choices=("tis", "sequence"),

@@ -53,7 +53,7 @@ def test_quick_run_writes_outputs(quick_run):
         t = summary["time_s"][arm]
         assert t["steps"] == QUICK_STEPS
         assert t["sample"] > 0 and t["train"] > 0 and t["ess"] > 0
-        assert 0 < t["ess_share_of_step"] < 1
+        assert 0 < t["ess_share_of_step"] < 1 and 0 < t["cpu_ess_share_of_step"] < 1
 
 
 def test_quick_run_prints_the_table_and_the_time(tmp_path, capsys):

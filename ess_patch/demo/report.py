@@ -202,9 +202,10 @@ def write_figure(
 
 
 def timing(records: Sequence[dict[str, Any]], arms: Sequence[str]) -> dict[str, dict[str, float]]:
-    """Per arm: seconds spent sampling, training (forward, backward, optimizer step),
-    in ess-patch (``compute_ess_lr`` + ``arm``) and publishing weights, over all its steps,
-    and ess-patch's share of an optimizer step (ess / (train + ess))."""
+    """Per arm: seconds spent sampling, training (forward, backward, optimizer step), in
+    ess-patch (``compute_ess_lr`` + ``arm``) and publishing weights, over all its steps, and
+    ess-patch's share of an optimizer step (ess / (train + ess)), in wall time and in the
+    rank's own CPU time (without the time spent waiting for peers in collectives)."""
     out = {}
     for arm in arms:
         rows = [r for r in records if r["arm"] == arm and "time_ess_s" in r]
@@ -213,13 +214,18 @@ def timing(records: Sequence[dict[str, Any]], arms: Sequence[str]) -> dict[str, 
         sums = {
             k.removeprefix("time_").removesuffix("_s"): sum(r[k] for r in rows) for k in TIME_FIELDS
         }
-        step = sums["train"] + sums["ess"]
+        cpu_train = sum(r["cpu_train_s"] for r in rows)
+        cpu_ess = sum(r["cpu_ess_s"] for r in rows)
+        step, cpu_step = sums["train"] + sums["ess"], cpu_train + cpu_ess
         out[arm] = {
             **sums,
             "steps": len(rows),
             "ess_ms_per_step": 1e3 * sums["ess"] / len(rows),
             "step_ms": 1e3 * step / len(rows),
             "ess_share_of_step": sums["ess"] / step if step > 0 else math.nan,
+            "cpu_ess_ms_per_step": 1e3 * cpu_ess / len(rows),
+            "cpu_step_ms": 1e3 * cpu_step / len(rows),
+            "cpu_ess_share_of_step": cpu_ess / cpu_step if cpu_step > 0 else math.nan,
         }
     return out
 
@@ -227,14 +233,17 @@ def timing(records: Sequence[dict[str, Any]], arms: Sequence[str]) -> dict[str, 
 def format_timing(times: dict[str, dict[str, float]]) -> str:
     """Where the time went, one line per arm (the writer rank's clock)."""
     lines = [
-        "where the time went (writer rank): sampling / training (fwd+bwd+optimizer) / "
-        "ess-patch (compute_ess_lr + arm) / weight publish; ess-patch per optimizer step"
+        "where the time went (writer rank, wall): sampling / training (fwd+bwd+optimizer) / "
+        "ess-patch (compute_ess_lr + arm) / weight publish",
+        "ess-patch per optimizer step: wall (with waiting for peers) | CPU (this rank's work)",
     ]
     for arm, t in times.items():
         lines.append(
             f"  {arm:<10} {t['sample']:7.1f}s / {t['train']:6.1f}s / {t['ess']:5.2f}s / "
             f"{t['publish']:5.2f}s;  ess-patch {t['ess_ms_per_step']:.2f} ms of a "
-            f"{t['step_ms']:.1f} ms step ({100 * t['ess_share_of_step']:.1f}%)"
+            f"{t['step_ms']:.1f} ms step ({100 * t['ess_share_of_step']:.1f}%) | "
+            f"{t['cpu_ess_ms_per_step']:.2f} ms of {t['cpu_step_ms']:.1f} ms "
+            f"({100 * t['cpu_ess_share_of_step']:.1f}%)"
         )
     return "\n".join(lines)
 

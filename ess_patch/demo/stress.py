@@ -35,7 +35,7 @@ STRESS_ARMS = ("off", "geometric", "product", "constant", "vcpo")
 #: Chosen with ``benchmarks/stress_select.py`` from the off arm alone (see the module docstring).
 STRESS: dict[str, Any] = {
     "dp": 2,
-    "steps": 100,
+    "steps": 60,
     "lr": 1e-2,
     "loss": "sequence",
     "lag": 32,

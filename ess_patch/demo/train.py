@@ -98,7 +98,7 @@ class DemoConfigError(ValueError):
 class DemoConfig:
     """Everything a demo run depends on (the same on every rank)."""
 
-    steps: int = 200
+    steps: int = 150
     #: Maximum staleness of a rollout, in optimizer updates.
     lag: int = 8
     rollout_workers: int = 4
@@ -512,7 +512,7 @@ def _train_arm(
     for step in range(cfg.steps):
         t0 = time.perf_counter()
         roll = _sample(cfg, engine, versions, step, lay)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
 
         ids, pos = train_inputs(roll.prompts, roll.tokens)
         micro = [
@@ -539,7 +539,7 @@ def _train_arm(
             micro_batch_size=mb,
             forward_only=False,
         )
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.thread_time()
 
         # ESS over the step's trajectories: every rank, the last stage's log-probs
         logp = torch.cat(stash) if last else None
@@ -563,13 +563,13 @@ def _train_arm(
         else:
             scales.append(1.0)
             rho = ess = math.nan
-        t3 = time.perf_counter()
+        t3, c3 = time.perf_counter(), time.thread_time()
 
         scheduled = [group["lr"] for group in optimizer.param_groups]
         applied.clear()
         ok, grad_norm, _ = optimizer.step()
         scheduler.step(increment=1)
-        t4 = time.perf_counter()
+        t4, c4 = time.perf_counter(), time.thread_time()
 
         versions.append(_publish(model, lay, cfg))
         t5 = time.perf_counter()
@@ -595,6 +595,9 @@ def _train_arm(
                 "time_train_s": (t2 - t1) + (t4 - t3),
                 "time_ess_s": t3 - t2,
                 "time_publish_s": t5 - t4,
+                # this thread's CPU time: the work itself, without waiting for peers
+                "cpu_train_s": (c2 - c1) + (c4 - c3),
+                "cpu_ess_s": c3 - c2,
             }
             if step == cfg.steps - 1:
                 rec["weights_sha256"] = _digest(versions[-1])
