@@ -297,9 +297,6 @@ def run_rank(cfg: DemoConfig, progress: Any = None) -> list[dict[str, Any]] | No
     ``progress``: an object with ``put((arm, step))`` (a multiprocessing queue), fed by the
     writer rank after every step.
     """
-    from .cpu import megatron_on_cpu
-
-    shim = megatron_on_cpu() if cfg.device == "cpu" else contextlib.nullcontext()
     installed = False
     if cfg.install_ess:
         import ess_patch
@@ -307,16 +304,15 @@ def run_rank(cfg: DemoConfig, progress: Any = None) -> list[dict[str, Any]] | No
         ess_patch.install(["megatron"], config=cfg.ess_config())
         installed = True
     try:
-        with shim:
-            records: list[dict[str, Any]] = []
-            mean_scale: dict[str, float] = {}
-            writer = False
-            for arm_name in cfg.arms:
-                constant = mean_scale.get(cfg.control_of, 1.0)
-                arm_records, scales, writer = _train_arm(cfg, arm_name, progress, constant)
-                records += arm_records
-                # every rank holds the same scales (compute_ess_lr's result is global)
-                mean_scale[arm_name] = sum(scales) / len(scales)
+        records: list[dict[str, Any]] = []
+        mean_scale: dict[str, float] = {}
+        writer = False
+        for arm_name in cfg.arms:
+            constant = mean_scale.get(cfg.control_of, 1.0)
+            arm_records, scales, writer = _train_arm(cfg, arm_name, progress, constant)
+            records += arm_records
+            # every rank holds the same scales (compute_ess_lr's result is global)
+            mean_scale[arm_name] = sum(scales) / len(scales)
     finally:
         if installed:
             import ess_patch
@@ -467,6 +463,15 @@ def _loss(cfg: DemoConfig, batch: dict[str, torch.Tensor], stash: list, logits: 
     return loss, {"loss": loss.detach(), "clamped": clamped}
 
 
+def _shim(cfg: DemoConfig) -> Any:
+    """What megatron's calls run in: the CPU shim on a CPU, nothing on a GPU."""
+    if cfg.device == "cpu":
+        from .cpu import megatron_on_cpu
+
+        return megatron_on_cpu
+    return contextlib.nullcontext
+
+
 def _forward_step(cfg: DemoConfig, stash: list, data_iterator: Any, model_chunk: Any):
     """megatron's forward-step contract: this stage's output and the loss function."""
     batch = next(data_iterator)
@@ -486,8 +491,12 @@ def _train_arm(
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(cfg.seed)
-    model, ddp, optimizer, scheduler = _build(cfg)
-    engine = RolloutEngine(cfg.spec, tp=cfg.tp)
+    # megatron's code runs inside the CPU shim (demo only); ess-patch's own calls outside it,
+    # as they run in production
+    shim = _shim(cfg)
+    with shim():
+        model, ddp, optimizer, scheduler = _build(cfg)
+        engine = RolloutEngine(cfg.spec, tp=cfg.tp)
     lay = _Layout.current(model.config)
     last = ps.is_pipeline_last_stage()
     writer = is_writer(cfg, lay)
@@ -511,7 +520,8 @@ def _train_arm(
     records = []
     for step in range(cfg.steps):
         t0 = time.perf_counter()
-        roll = _sample(cfg, engine, versions, step, lay)
+        with shim():
+            roll = _sample(cfg, engine, versions, step, lay)
         t1, c1 = time.perf_counter(), time.thread_time()
 
         ids, pos = train_inputs(roll.prompts, roll.tokens)
@@ -530,15 +540,16 @@ def _train_arm(
 
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        losses = forward_backward(
-            forward_step_func=forward_step,
-            data_iterator=iter(micro),
-            model=[ddp],
-            num_microbatches=cfg.microbatches,
-            seq_length=seq_len,
-            micro_batch_size=mb,
-            forward_only=False,
-        )
+        with shim():
+            losses = forward_backward(
+                forward_step_func=forward_step,
+                data_iterator=iter(micro),
+                model=[ddp],
+                num_microbatches=cfg.microbatches,
+                seq_length=seq_len,
+                micro_batch_size=mb,
+                forward_only=False,
+            )
         t2, c2 = time.perf_counter(), time.thread_time()
 
         # ESS over the step's trajectories: every rank, the last stage's log-probs
@@ -567,7 +578,8 @@ def _train_arm(
 
         scheduled = [group["lr"] for group in optimizer.param_groups]
         applied.clear()
-        ok, grad_norm, _ = optimizer.step()
+        with shim():
+            ok, grad_norm, _ = optimizer.step()
         scheduler.step(increment=1)
         t4, c4 = time.perf_counter(), time.thread_time()
 
