@@ -72,9 +72,10 @@ def main() -> None:
             print(f"CHOSEN: lr={lr:g} loss={loss} lag={lag} ({hits} collapses)")
             break
     if chosen is None and best is not None:
+        rule = "most collapses, mildest" if best[0] > 0 else "no collapse at all: the harshest"
         lr, loss, lag = best[1] if best[0] > 0 else grid[-1]
         print(
-            f"no setting collapsed in >= {need} seeds; FALLBACK (most collapses, mildest): "
+            f"no setting collapsed in >= {need} seeds; FALLBACK ({rule}): "
             f"lr={lr:g} loss={loss} lag={lag} ({best[0]} collapses)"
         )
     print(f"total {time.monotonic() - t0:.0f}s")

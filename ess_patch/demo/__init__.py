@@ -87,7 +87,8 @@ def run(
     title = (
         f"ess-patch demo: dp={cfg.dp} tp={cfg.tp} pp={cfg.pp}, {cfg.task} x{cfg.response_len}, "
         f"{cfg.loss} loss, max lag {cfg.lag}, "
-        f"{cfg.steps} steps, seed {cfg.seed}, {cfg.ess.weight_mode} weights, floor {cfg.ess.floor}"
+        f"{cfg.steps} steps, seed {cfg.seed}, floor {cfg.ess.floor}\n"
+        f"(off arm: rho with {cfg.ess.weight_mode} weights, computed but never applied)"
     )
     report.write_figure(records, cfg.arms, figure, title)
     times = report.timing(records, cfg.arms)

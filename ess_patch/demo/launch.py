@@ -48,8 +48,12 @@ COLLECTIVE_TIMEOUT_S = 300.0
 #: Seconds the other ranks get to report their own error after the first one failed.
 FAIL_GRACE_S = 3.0
 _LOG_TAIL_LINES = 40
-# Megatron warns once per rank that it runs without Transformer Engine / Apex (always, on CPU).
-_QUIET_WARNINGS = "ignore:Transformer Engine and Apex are not installed:UserWarning"
+# Megatron warns once per process that it runs without Transformer Engine / Apex (always, on
+# CPU); the forkserver's preload writes to this terminal.
+_QUIET_WARNINGS = ",".join(
+    f"ignore:{message}:UserWarning"
+    for message in ("Transformer Engine and Apex are not installed", "Apex is not installed")
+)
 
 
 class DemoError(RuntimeError):
