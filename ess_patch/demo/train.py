@@ -496,7 +496,7 @@ def _train_arm(
     shim = _shim(cfg)
     with shim():
         model, ddp, optimizer, scheduler = _build(cfg)
-        engine = RolloutEngine(cfg.spec, tp=cfg.tp)
+        engine = RolloutEngine(cfg.spec, tp=cfg.tp, device=cfg.device)
     lay = _Layout.current(model.config)
     last = ps.is_pipeline_last_stage()
     writer = is_writer(cfg, lay)
