@@ -4,7 +4,9 @@ The settings (:data:`STRESS`) were chosen from the ESS-LR-off arm alone, on seed
 scenario does not report, by the rule written in ``benchmarks/stress_select.py`` (mildest
 first: LR, then token-level TIS before untruncated sequence-level IS, then max lag; the first
 setting whose off run collapses in most selection seeds; its log is
-``docs/demo-stress/selection.txt``). The ESS-LR arms were not looked at. Every seed runs
+``docs/demo-stress/selection.txt``). No setting of that grid made the off run collapse, so
+the rule's fallback, fixed before the runs, chose the harshest one: LR 1e-2, untruncated
+sequence-level IS, max lag 32, 60 steps. The ESS-LR arms were not looked at. Every seed runs
 five arms with the same model, task and rollout seeds: "off", "geometric", "product",
 "constant" (armed every step with the mean scale of the same seed's "product" run: a smaller
 LR that does not look at staleness) and "vcpo" (VCPO's rule: product weights, one scale per
