@@ -333,6 +333,10 @@ def _build(cfg: DemoConfig):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    # The whole model first, from the seed, then this stage's slice of it: every pipeline
+    # layout starts from the same weights as pp=1 (a stage alone would draw its layers from
+    # another point of the RNG stream).
+    whole = build_policy(cfg.spec, tp=cfg.tp, pp=1, device=cfg.device) if cfg.pp > 1 else None
     model = build_policy(
         cfg.spec,
         tp=cfg.tp,
@@ -341,6 +345,17 @@ def _build(cfg: DemoConfig):
         post_process=ps.is_pipeline_last_stage(),
         device=cfg.device,
     )
+    if whole is not None:
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        source = whole.state_dict()
+        local = model.state_dict()
+        names = global_weights(model, get_transformer_layer_offset(model.config))
+        # global_weights keeps the stage's order: local name i <-> whole-model name i
+        model.load_state_dict(
+            {mine: source[name] for mine, name in zip(local, names, strict=True)}, strict=True
+        )
+    del whole
     ddp = DistributedDataParallel(
         model.config,
         DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False),
