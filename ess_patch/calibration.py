@@ -48,7 +48,9 @@ def apply(result: EssLrResult, config: EssLrConfig, agreed: tuple[float, float])
         STATE.calibration = agreed
         ratio = config.base_ratio * total / count
         if result.status == "ok":
-            return replace(result, scale=scale_of(result.rho, config, ratio), calibrated_ratio=ratio)
+            return replace(
+                result, scale=scale_of(result.rho, config, ratio), calibrated_ratio=ratio
+            )
         return replace(result, calibrated_ratio=ratio) if result.measured else result
     if result.status != "ok":
         STATE.calibration = agreed
