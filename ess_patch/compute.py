@@ -302,8 +302,9 @@ def _reduce(
     error: BaseException | None = None,
 ) -> tuple[torch.Tensor, tuple[float, float]]:
     """Every DP rank's summary row, ``[DP, SUMMARY_SIZE]``, and the calibration the ranks
-    agreed on, or the error every rank must raise. ``error``: a fault this rank already has (raised at once in a single process;
-    else it joins every collective flagged, naming the rank it came from, then re-raises it)."""
+    agreed on, or the error every rank must raise. ``error``: a fault this rank already has
+    (raised at once in a single process; else it joins every collective flagged, naming the
+    rank it came from, then re-raises it)."""
     sizes = group_size(cp_group, "CP"), group_size(dp_group, "DP")
     distributed = max(sizes) > 1
     missing = log_probs is None or rollout_log_probs is None
