@@ -81,7 +81,8 @@ def run(
     report.write_jsonl(records, records_path)
     figure = out / FIGURE_FILE
     title = (
-        f"ess-patch demo: dp={cfg.dp} cp={cfg.cp} pp={cfg.pp}, max lag {cfg.lag}, "
+        f"ess-patch demo: dp={cfg.dp} tp={cfg.tp} pp={cfg.pp}, {cfg.task} x{cfg.response_len}, "
+        f"{cfg.loss} loss, max lag {cfg.lag}, "
         f"{cfg.steps} steps, seed {cfg.seed}, {cfg.ess.weight_mode} weights, floor {cfg.ess.floor}"
     )
     report.write_figure(records, cfg.arms, figure, title)

@@ -22,6 +22,10 @@ tests, which use this same shim) reach; each piece below was checked to be neces
   buffers are allocated on it).
 * ``torch.cuda.current_stream()`` (0.19: ``start_grad_sync`` waits there for CUDA-graph
   events, which CPU parameters never carry): stubbed with a stream that has nothing to wait for.
+* The model-parallel RNG tracker: megatron's local ``DotProductAttention`` forks the CUDA RNG
+  state around its attention dropout on every forward (``get_cuda_rng_tracker().fork()``),
+  and a CPU build has no CUDA RNG. The demo's GPTModel has no dropout (0.0), so ``fork`` is
+  made a no-op while the shim is entered.
 
 Not needed on these paths: ``torch.cuda.Stream`` (only with several distributed-optimizer
 instances or overlapped grad reduce), ``torch.cuda.synchronize``, ``is_available``.
@@ -76,14 +80,30 @@ class _CudaToCpu(TorchFunctionMode):
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
     """Let megatron-core's CUDA-assuming optimizer / DDP code run on the CPU (demo only)."""
+    from megatron.core.tensor_parallel import random as tp_random
+
     saved = torch.cuda.current_device, torch.cuda.current_stream
+    tp_random.initialize_rng_tracker()
+    tracker = tp_random.get_cuda_rng_tracker()
+    saved_fork = tracker.__dict__.get("fork")
     torch.cuda.current_device = lambda: 0
     torch.cuda.current_stream = lambda *_a, **_k: _NoStream()
+    tracker.fork = _no_fork
     try:
         with _CudaToCpu():
             yield
     finally:
         torch.cuda.current_device, torch.cuda.current_stream = saved
+        if saved_fork is None:
+            del tracker.fork
+        else:
+            tracker.fork = saved_fork
+
+
+@contextlib.contextmanager
+def _no_fork(*_args: Any, **_kwargs: Any) -> Iterator[None]:
+    """The RNG tracker's ``fork`` on the CPU: nothing random runs inside (no dropout)."""
+    yield
 
 
 class _NoStream:

@@ -1,9 +1,9 @@
 """Start the demo's ranks as local processes (gloo) and collect what they recorded.
 
 Each rank is a forkserver child (torch and megatron-core preloaded once: a launch costs
-milliseconds, not a fresh import per rank) that joins a gloo world through a ``FileStore``,
-sets up megatron's real ``parallel_state.initialize_model_parallel`` with the requested
-DP x CP x PP layout (TP = 1) and runs :func:`ess_patch.demo.train.run_rank`. Each rank logs
+milliseconds, not a fresh import per rank) that joins a gloo world (NCCL with
+``device="cuda"``: one GPU per rank) through a ``FileStore``, sets up megatron's real ``parallel_state.initialize_model_parallel`` with the requested
+DP x TP x PP layout and runs :func:`ess_patch.demo.train.run_rank`. Each rank logs
 to ``<out>/ranks/rank<r>.log``. A rank that raises writes its traceback next to its log and
 exits at once (its peers then fail fast on the closed connections); the others get
 :data:`FAIL_GRACE_S` seconds, then are stopped, and :class:`DemoError` carries the traceback
@@ -39,6 +39,8 @@ PRELOAD = (
     "megatron.core.parallel_state",
     "megatron.core.optimizer",
     "megatron.core.distributed",
+    "megatron.core.models.gpt",
+    "megatron.core.pipeline_parallel",
     "ess_patch.demo.train",
 )
 #: Seconds a gloo collective may wait for a peer that is alive but never joins.
@@ -79,13 +81,16 @@ def _rank_main(rank: int, cfg: DemoConfig, directory: str, progress: Any) -> Non
         timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         store = dist.FileStore(str(d / "store"), cfg.world_size)
         store.set_timeout(timeout)
+        backend = "gloo"
+        if cfg.device == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            backend = "nccl"
         dist.init_process_group(
-            "gloo", rank=rank, world_size=cfg.world_size, store=store, timeout=timeout
+            backend, rank=rank, world_size=cfg.world_size, store=store, timeout=timeout
         )
         ps.initialize_model_parallel(
-            tensor_model_parallel_size=1,
+            tensor_model_parallel_size=cfg.tp,
             pipeline_model_parallel_size=cfg.pp,
-            context_parallel_size=cfg.cp,
             distributed_timeout_minutes=COLLECTIVE_TIMEOUT_S / 60.0,
             create_gloo_process_groups=False,
         )
@@ -168,10 +173,10 @@ def launch(
                 on_step(arm_name, step)
 
     logger.info(
-        "starting %d ranks (dp=%d cp=%d pp=%d), logs in %s",
+        "starting %d ranks (dp=%d tp=%d pp=%d), logs in %s",
         cfg.world_size,
         cfg.dp,
-        cfg.cp,
+        cfg.tp,
         cfg.pp,
         rank_dir,
     )
@@ -232,7 +237,7 @@ def _failure(procs: list[Any], rank_dir: Path, cfg: DemoConfig) -> str:
     ]
     if not errors and not unfinished:
         return ""
-    label = f"ess-patch demo (dp={cfg.dp} cp={cfg.cp} pp={cfg.pp}) failed; logs in {rank_dir}"
+    label = f"ess-patch demo (dp={cfg.dp} tp={cfg.tp} pp={cfg.pp}) failed; logs in {rank_dir}"
     if errors:
         rank = errors[0].name.removeprefix("rank").removesuffix(".error.txt")
         return f"{label}\n--- rank {rank} failed first ---\n{errors[0].read_text()}"

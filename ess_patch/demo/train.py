@@ -1,76 +1,89 @@
-"""One rank of the demo: off-policy policy-gradient training with megatron-core's optimizer.
+"""One rank of the demo: fully-async RL of a megatron-core GPTModel, with ESS-LR per arm.
 
-Every rank runs :func:`run_rank` after the launcher has set up gloo and megatron's
-``parallel_state``. For each arm ("off": ESS-LR never armed; "on": armed every step) it
-builds the policy (same seed), wraps this pipeline stage in megatron-core's
-``DistributedDataParallel``, builds the real optimizer with ``get_megatron_optimizer``
-(Adam, fp32, grad clipping) and ``OptimizerParamScheduler``, and trains. ``ess_patch.install()``
+Every rank runs :func:`run_rank` after the launcher has set up the process group and
+megatron's ``parallel_state`` (DP x TP x PP). For each arm it builds the policy
+(:mod:`ess_patch.demo.policy`: a tiny ``GPTModel``, same seed in every arm) for this rank's
+pipeline stage and tensor-parallel shard, wraps it in megatron's
+``DistributedDataParallel``, builds the optimizer with ``get_megatron_optimizer`` (Adam,
+fp32, grad clipping) and ``OptimizerParamScheduler``, and trains. ``ess_patch.install()``
 patches the optimizer classes once per process; the "off" arm shows it changes nothing
 until a result is armed.
 
 Per step (= one rollout, one optimizer step):
 
-1. Rollout: every trajectory is sampled from a stale copy of the policy, ``lag`` updates
-   old with ``lag`` uniform in ``[0, min(max_lag, step)]`` (fully-async style). The rollout
-   engine keeps the log-probs it sampled with.
-2. Forward through the pipeline (gloo send/recv between stages); each CP rank computes the
-   train log-probs of its zigzag chunk of every trajectory's response.
-3. Every stage: ``compute_ess_lr`` with the CP, DP and PP groups (the last stage computes,
-   every stage gets the result or the same error); in the "on" arm ``ess_patch.arm(result)``.
-4. Backward of the token-level importance-weighted policy gradient
-   ``-A_i * exp(logp_t - rollout_logp_t)`` (no clipping of the ratio), DDP grad reduction
-   over DP x CP, ``optimizer.step()`` (the patched step applies the armed scale),
-   ``scheduler.step()``.
-5. The new weights go to the rollout engine (PP stages broadcast their slices).
+1. Rollout (each DP rank its own prompts; its TP and PP peers sample the same tokens): the
+   rank's ``rollout_workers`` each sample their share of the prompts with the bf16
+   :class:`~ess_patch.demo.policy.RolloutEngine` loaded with the weights they last pulled.
+   Worker ``w`` pulls the newest weights every ``1 + round(w * max_lag / (workers - 1))``
+   steps, so worker 0 is always fresh and the slowest one runs up to ``max_lag`` updates
+   behind: most rollouts are a little stale, a tail is very stale, as in a fully-async
+   system with a staleness bound. The log-probs are recorded at sampling time, in bf16.
+2. Forward and backward through megatron's own schedule (``get_forward_backward_func``:
+   no pipelining, or 1F1B over the pipeline stages), the loss a framework ships:
+   ``"tis"``: token-level truncated IS (miles/slime's TIS: each token's policy gradient
+   weighted by ``min(exp(logp_t - rollout_logp_t), tis_clip)``), or ``"sequence"``:
+   sequence-level IS without truncation (every token weighted by
+   ``exp(sum_t(logp_t - rollout_logp_t))``, VCPO's regime). Group-relative advantages.
+3. Every rank: ``compute_ess_lr`` over the step's trajectories with the DP and PP groups
+   (the last stage has the log-probs; every stage gets the result); ``ess_patch.arm``.
+4. ``optimizer.step()`` (the patched step applies the armed scale), ``scheduler.step()``.
+5. The new weights go to the rollout workers (the PP stages all-gather their slices).
 
 The applied LR is read inside the step, by a pre-step hook on megatron's inner torch
 optimizer; the scheduled LR is ``param_groups``' LR outside the step.
+
+Context parallelism: megatron's local attention (``DotProductAttention``) refuses CP (only
+Transformer Engine's attention has it), so the demo runs CP = 1; the CP reductions of
+``compute_ess_lr`` are tested in ``tests/test_reduction_dist.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
 import math
+import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .. import EssLrConfig, arm, compute_ess_lr, disarm
-from ..cp_slicing import local_response_masks, zigzag_response_ranges
-from .cpu import megatron_on_cpu
-from .task import (
-    HIDDEN,
-    NUM_BLOCKS,
-    NUM_TASKS,
-    PROMPT_LEN,
-    RESPONSE_LEN,
-    START,
-    PolicyNet,
-    Stage,
-    make_targets,
-    sample_rollouts,
-    stage_bounds,
+from . import task as task_mod
+from .policy import (
+    PolicySpec,
+    RolloutEngine,
+    build_policy,
+    global_weights,
+    response_logprobs,
+    train_inputs,
 )
 
-__all__ = ["ARMS", "DemoConfig", "DemoConfigError", "run_rank"]
+__all__ = ["ARMS", "DemoConfig", "DemoConfigError", "run_rank", "worker_lags"]
 
 logger = logging.getLogger(__name__)
 
 #: "off": never armed; "on": ESS-LR with ``ess``; "geometric" / "product": ESS-LR with
-#: that weight mode; "constant": armed every step with one fixed scale, the mean scale of the
-#: ``control_of`` arm in the same run (a smaller LR that does not look at staleness).
-ARMS = ("off", "on", "geometric", "product", "constant")
-DEFAULT_ARMS = ("off", "on")
-#: How the policy-gradient loss weights a trajectory's tokens: "token": each token by its own
-#: ratio ``exp(logp_t - rollout_logp_t)``; "sequence": every token by the trajectory's ratio
-#: ``exp(sum_t (logp_t - rollout_logp_t))`` (sequence-level IS, untruncated).
-IS_LEVELS = ("token", "sequence")
+#: that weight mode; "vcpo": VCPO's rule (product weights, sqrt, one scale per optimizer
+#: step, no floor); "constant": armed every step with one fixed scale, the mean scale of
+#: the ``control_of`` arm in the same run (a smaller LR that does not look at staleness).
+ARMS = ("off", "on", "geometric", "product", "vcpo", "constant")
+DEFAULT_ARMS = ("off", "geometric", "product")
+#: The policy-gradient losses (see the module docstring).
+LOSSES = ("tis", "sequence")
+#: "No floor" for the vcpo arm: EssLrConfig wants a floor > 0, and rho >= 1/B keeps the
+#: sqrt rule's scale >= 1/sqrt(B * base_ratio), far above this: it never binds.
+VCPO_FLOOR = 1e-9
 #: Log-ratios are clamped to +-this before exp() only so that float32 stays finite; the
-#: number of clamped tokens is recorded per step (``clamped_tokens``).
+#: number of clamped values is recorded per step (``clamped``).
 MAX_LOG_RATIO = 20.0
+DEVICES = ("cpu", "cuda")
+HEADS = 4
+MIN_RESPONSE, MAX_RESPONSE = 1, 256
 
 
 class DemoConfigError(ValueError):
@@ -85,134 +98,258 @@ class DemoConfigError(ValueError):
 class DemoConfig:
     """Everything a demo run depends on (the same on every rank)."""
 
-    steps: int = 400
+    steps: int = 200
+    #: Maximum staleness of a rollout, in optimizer updates.
     lag: int = 8
+    rollout_workers: int = 4
     seed: int = 0
     dp: int = 2
-    cp: int = 2
+    tp: int = 1
     pp: int = 1
-    #: The ESS-LR settings (the "geometric" / "product" arms override ``weight_mode``).
+    cp: int = 1
+    device: str = "cpu"
+    task: str = "sort"
+    response_len: int = 16
+    num_layers: int = 2
+    hidden: int = 64
+    #: The ESS-LR settings (the "geometric" / "product" / "vcpo" arms override some).
     ess: EssLrConfig = field(default_factory=EssLrConfig)
-    lr: float = 1e-2
+    lr: float = 1e-3
     warmup: int = 10
     clip_grad: float = 1.0
     prompts_per_rank: int = 8
     group_size: int = 4
+    microbatches: int = 1
     arms: tuple[str, ...] = DEFAULT_ARMS
-    is_level: str = "token"
+    loss: str = "tis"
+    tis_clip: float = 2.0
     control_of: str = "product"
+    #: False: ess-patch is never installed, nothing of it is called (the bit-identity check
+    #: of the "off" arm against a run without ess-patch).
+    install_ess: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "arms", tuple(self.arms))
         unknown = [a for a in self.arms if a not in ARMS]
-        if unknown or not self.arms:
-            raise DemoConfigError("arms", self.arms, f"give one or more of {ARMS}")
-        for name in ("steps", "dp", "cp", "pp", "prompts_per_rank", "group_size"):
+        if unknown or not self.arms or len(set(self.arms)) != len(self.arms):
+            raise DemoConfigError("arms", self.arms, f"give distinct arms among {ARMS}")
+        for name in (
+            "steps",
+            "dp",
+            "tp",
+            "pp",
+            "cp",
+            "prompts_per_rank",
+            "group_size",
+            "rollout_workers",
+            "microbatches",
+            "num_layers",
+        ):
             if getattr(self, name) < 1:
                 raise DemoConfigError(name, getattr(self, name), "must be >= 1")
-        if self.pp > NUM_BLOCKS + 2:
+        if self.lag < 0:
+            raise DemoConfigError("lag", self.lag, "must be >= 0")
+        if self.cp != 1:
             raise DemoConfigError(
-                "pp",
-                self.pp,
-                f"must be at most {NUM_BLOCKS + 2}, the number of parts of the demo policy",
+                "cp",
+                self.cp,
+                "context parallelism needs Transformer Engine's attention (megatron's local "
+                "attention refuses it), so the demo runs cp=1; ess-patch's CP reductions are "
+                "tested in tests/test_reduction_dist.py",
+            )
+        if self.device not in DEVICES:
+            raise DemoConfigError("device", self.device, f"give one of {DEVICES}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise DemoConfigError(
+                "device",
+                self.device,
+                f"no CUDA device is available to this torch ({torch.__version__}); "
+                "run on a GPU machine or use --device cpu",
+            )
+        if self.device == "cuda" and self.world_size > torch.cuda.device_count():
+            raise DemoConfigError(
+                "device",
+                self.device,
+                f"{self.world_size} ranks need {self.world_size} GPUs, "
+                f"{torch.cuda.device_count()} visible",
+            )
+        if self.task not in task_mod.TASKS:
+            raise DemoConfigError("task", self.task, f"give one of {task_mod.TASKS}")
+        if not MIN_RESPONSE <= self.response_len <= MAX_RESPONSE:
+            raise DemoConfigError(
+                "response_len", self.response_len, f"must be in [{MIN_RESPONSE}, {MAX_RESPONSE}]"
+            )
+        if task_mod.VOCAB % self.tp:
+            raise DemoConfigError("tp", self.tp, f"must divide the vocabulary ({task_mod.VOCAB})")
+        if HEADS % self.tp:
+            raise DemoConfigError("tp", self.tp, f"must divide the {HEADS} attention heads")
+        if self.hidden < 1 or self.hidden % HEADS:
+            raise DemoConfigError("hidden", self.hidden, f"must be a multiple of {HEADS} (heads)")
+        if self.num_layers % self.pp:
+            raise DemoConfigError(
+                "pp", self.pp, f"must divide the number of layers ({self.num_layers})"
+            )
+        if self.rollouts_per_rank % self.microbatches:
+            raise DemoConfigError(
+                "microbatches",
+                self.microbatches,
+                f"must divide the rollouts per rank ({self.rollouts_per_rank})",
+            )
+        if self.loss not in LOSSES:
+            raise DemoConfigError("loss", self.loss, f"give one of {LOSSES}")
+        if not self.tis_clip > 0:
+            raise DemoConfigError("tis_clip", self.tis_clip, "must be > 0")
+        if self.control_of not in ("on", "geometric", "product", "vcpo"):
+            raise DemoConfigError(
+                "control_of", self.control_of, "give 'on', 'geometric', 'product' or 'vcpo'"
             )
         if (
             "constant" in self.arms
             and self.control_of not in self.arms[: self.arms.index("constant")]
         ):
-            raise ValueError(
-                f"DemoConfig.arms={self.arms!r}: the 'constant' arm copies the mean scale of "
-                f"control_of={self.control_of!r}, which must come before it"
+            raise DemoConfigError(
+                "arms",
+                self.arms,
+                f"the 'constant' arm copies the mean scale of control_of={self.control_of!r}, "
+                "which must come before it",
             )
-        if self.control_of not in ("on", "geometric", "product"):
-            raise ValueError(
-                f"DemoConfig.control_of={self.control_of!r}: give 'on', 'geometric' or 'product'"
-            )
-        if self.is_level not in IS_LEVELS:
-            raise ValueError(f"DemoConfig.is_level={self.is_level!r}: give one of {IS_LEVELS}")
-        if self.lag < 0:
-            raise DemoConfigError("lag", self.lag, "must be >= 0")
         if not isinstance(self.ess, EssLrConfig):
             raise DemoConfigError("ess", self.ess, "must be an ess_patch.EssLrConfig")
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.cp * self.pp
+        return self.dp * self.tp * self.pp
+
+    @property
+    def rollouts_per_rank(self) -> int:
+        return self.prompts_per_rank * self.group_size
+
+    @property
+    def spec(self) -> PolicySpec:
+        n = self.response_len
+        return PolicySpec(
+            num_layers=self.num_layers,
+            hidden=self.hidden,
+            heads=HEADS,
+            max_len=task_mod.prompt_length(self.task, n) + n,
+        )
 
     def ess_config(self, arm_name: str | None = None) -> EssLrConfig:
-        """The ESS-LR config of an arm: its own weight mode for "geometric" / "product"."""
+        """The ESS-LR config of an arm (its own weight mode, VCPO's rule for "vcpo")."""
         if arm_name in ("geometric", "product"):
             return replace(self.ess, weight_mode=arm_name)
+        if arm_name == "vcpo":
+            return replace(
+                self.ess, weight_mode="product", rule="sqrt", floor=VCPO_FLOOR, granularity="step"
+            )
         return self.ess
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+def worker_lags(step: int, workers: int, max_lag: int) -> list[int]:
+    """How many updates behind the trainer each rollout worker's weights are at ``step``.
+
+    Worker ``w`` pulls the newest weights every ``1 + round(w * max_lag / (workers - 1))``
+    steps (worker 0 every step; one worker: every ``max_lag + 1``), starting at step 0, with
+    phase ``w`` so that the workers do not all pull at once; never more than ``step``.
+    """
+    out = []
+    for w in range(workers):
+        period = 1 + (round(w * max_lag / (workers - 1)) if workers > 1 else max_lag)
+        out.append(min(step, (step + w) % period))
+    return out
+
+
 @dataclass
 class _Layout:
     dp_rank: int
-    cp_rank: int
+    tp_rank: int
     pp_rank: int
-    dp_group: Any  # DP without CP: whose ranks hold other trajectories
-    cp_group: Any
+    dp_group: Any
     pp_group: Any
-    dp_cp_group: Any  # what DDP reduces gradients over
+    layer_offset: int
 
     @classmethod
-    def current(cls) -> _Layout:
+    def current(cls, config: Any) -> _Layout:
         from megatron.core import parallel_state as ps
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
         return cls(
-            dp_rank=ps.get_data_parallel_rank(with_context_parallel=False),
-            cp_rank=ps.get_context_parallel_rank(),
+            dp_rank=ps.get_data_parallel_rank(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
             pp_rank=ps.get_pipeline_model_parallel_rank(),
-            dp_group=ps.get_data_parallel_group(with_context_parallel=False),
-            cp_group=ps.get_context_parallel_group(),
+            dp_group=ps.get_data_parallel_group(),
             pp_group=ps.get_pipeline_model_parallel_group(),
-            dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
+            layer_offset=get_transformer_layer_offset(config),
         )
-
-    def pp_peer(self, stage: int) -> int:
-        return dist.get_global_rank(self.pp_group, stage)
 
 
 def is_writer(cfg: DemoConfig, lay: _Layout) -> bool:
-    """The rank that records the steps: last pipeline stage, first DP and CP rank."""
-    return lay.pp_rank == cfg.pp - 1 and lay.dp_rank == 0 and lay.cp_rank == 0
+    """The rank that records the steps: last pipeline stage, first DP and TP rank."""
+    return lay.pp_rank == cfg.pp - 1 and lay.dp_rank == 0 and lay.tp_rank == 0
 
 
 def run_rank(cfg: DemoConfig, progress: Any = None) -> list[dict[str, Any]] | None:
-    """Train both arms on this rank; the writer rank returns the per-step records.
+    """Train every arm on this rank; the writer rank returns the per-step records.
 
     ``progress``: an object with ``put((arm, step))`` (a multiprocessing queue), fed by the
     writer rank after every step.
     """
-    import ess_patch
+    from .cpu import megatron_on_cpu
 
-    lay = _Layout.current()
-    ess_patch.install(["megatron"], config=cfg.ess_config())
+    shim = megatron_on_cpu() if cfg.device == "cpu" else contextlib.nullcontext()
+    installed = False
+    if cfg.install_ess:
+        import ess_patch
+
+        ess_patch.install(["megatron"], config=cfg.ess_config())
+        installed = True
     try:
-        records: list[dict[str, Any]] = []
-        mean_scale: dict[str, float] = {}
-        for arm_name in cfg.arms:
-            constant = mean_scale.get(cfg.control_of, 1.0)
-            arm_records, scales = _train_arm(cfg, arm_name, lay, progress, constant)
-            records += arm_records
-            # Every rank holds the same scales (broadcast over PP, reduced over DP and CP).
-            mean_scale[arm_name] = sum(scales) / len(scales)
+        with shim:
+            records: list[dict[str, Any]] = []
+            mean_scale: dict[str, float] = {}
+            writer = False
+            for arm_name in cfg.arms:
+                constant = mean_scale.get(cfg.control_of, 1.0)
+                arm_records, scales, writer = _train_arm(cfg, arm_name, progress, constant)
+                records += arm_records
+                # every rank holds the same scales (compute_ess_lr's result is global)
+                mean_scale[arm_name] = sum(scales) / len(scales)
     finally:
-        disarm()
-        ess_patch.uninstall()
-    return records if is_writer(cfg, lay) else None
+        if installed:
+            import ess_patch
+
+            disarm()
+            ess_patch.uninstall()
+    return records if writer else None
 
 
-def _build(cfg: DemoConfig, stage: torch.nn.Module):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+def _build(cfg: DemoConfig):
+    """This rank's model stage in megatron's DDP, its optimizer and scheduler."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from megatron.core.transformer import TransformerConfig
 
+    model = build_policy(
+        cfg.spec,
+        tp=cfg.tp,
+        pp=cfg.pp,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        device=cfg.device,
+    )
+    ddp = DistributedDataParallel(
+        model.config,
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False),
+        model,
+    )
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=cfg.lr,
@@ -222,12 +359,9 @@ def _build(cfg: DemoConfig, stage: torch.nn.Module):
         bf16=False,
         params_dtype=torch.float32,
     )
-    ddp = DistributedDataParallel(
-        TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=1),
-        DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False),
-        stage,
-    )
     optimizer = get_megatron_optimizer(opt_config, [ddp], use_gloo_process_groups=False)
+    model.config.finalize_model_grads_func = finalize_model_grads
+    model.config.grad_scale_func = optimizer.scale_loss
     warmup = min(cfg.warmup, max(cfg.steps - 1, 0))
     scheduler = OptimizerParamScheduler(
         optimizer,
@@ -242,48 +376,118 @@ def _build(cfg: DemoConfig, stage: torch.nn.Module):
         wd_incr_steps=max(cfg.steps, 1),
         wd_incr_style="constant",
     )
-    return ddp, optimizer, scheduler
+    return model, ddp, optimizer, scheduler
 
 
-def _snapshot(net: PolicyNet) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in net.state_dict().items()}
+def _publish(model: Any, lay: _Layout, cfg: DemoConfig) -> dict[str, Any]:
+    """The whole current policy under whole-model names, on every rank (PP: all-gather)."""
+    mine = global_weights(model, lay.layer_offset)
+    if cfg.pp == 1:
+        return mine
+    parts: list[Any] = [None] * cfg.pp
+    cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in mine.items()}
+    dist.all_gather_object(parts, cpu, group=lay.pp_group)
+    whole: dict[str, Any] = {}
+    for part in parts:
+        whole.update(part)
+    return {k: v.to(cfg.device) if isinstance(v, torch.Tensor) else v for k, v in whole.items()}
 
 
-def _sync_weights(net: PolicyNet, bounds: list[tuple[int, int]], lay: _Layout) -> None:
-    """Give every rank the whole current policy: each PP stage broadcasts the parts it owns."""
-    if len(bounds) == 1:
-        return
-    with torch.no_grad():
-        for owner, (lo, hi) in enumerate(bounds):
-            params = [p for part in net.parts[lo:hi] for p in part.parameters()]
-            flat = torch.cat([p.detach().reshape(-1) for p in params])
-            dist.broadcast(flat, src=lay.pp_peer(owner), group=lay.pp_group)
-            if owner != lay.pp_rank:
-                offset = 0
-                for p in params:
-                    p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                    offset += p.numel()
+def _digest(weights: dict[str, Any]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(weights):
+        value = weights[name]
+        if isinstance(value, torch.Tensor):
+            h.update(name.encode())
+            h.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
-def _local_index(lay: _Layout, cp: int) -> torch.Tensor:
-    """Response-token indices this CP rank holds (zigzag), the same for every trajectory."""
-    (a0, a1), (b0, b1) = zigzag_response_ranges(
-        PROMPT_LEN + RESPONSE_LEN, RESPONSE_LEN, lay.cp_rank, cp
+@dataclass
+class _Rollout:
+    prompts: torch.Tensor  # [N, P]
+    tokens: torch.Tensor  # [N, T]
+    logp: torch.Tensor  # [N, T] bf16 engine's log-probs (float32 values)
+    lags: torch.Tensor  # [N]
+    rewards: torch.Tensor  # [N]
+    advantages: torch.Tensor  # [N]
+
+
+def _sample(
+    cfg: DemoConfig, engine: RolloutEngine, versions: deque, step: int, lay: _Layout
+) -> _Rollout:
+    """This DP rank's rollout: each worker samples its prompts' groups from its weights."""
+    device = cfg.device
+    gen = torch.Generator(device=device).manual_seed(
+        (cfg.seed * 1_000_003 + step) * 1009 + lay.dp_rank
     )
-    return torch.cat([torch.arange(a0, a1), torch.arange(b0, b1)])
+    n = cfg.response_len
+    prompt_gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + step) * 1013 + lay.dp_rank)
+    prompts = task_mod.make_prompts(cfg.task, n, cfg.prompts_per_rank, prompt_gen).to(device)
+    lags_by_worker = worker_lags(step, cfg.rollout_workers, cfg.lag)
+    owner = torch.arange(cfg.prompts_per_rank) % cfg.rollout_workers
+    rows = cfg.rollouts_per_rank
+    tokens = torch.empty(rows, n, dtype=torch.long, device=device)
+    logp = torch.empty(rows, n, dtype=torch.float32, device=device)
+    lags = torch.empty(rows, dtype=torch.long)
+    expanded = prompts.repeat_interleave(cfg.group_size, dim=0)
+    for w, lag in enumerate(lags_by_worker):
+        mine = (owner == w).nonzero().flatten()
+        if not mine.numel():
+            continue
+        idx = (mine[:, None] * cfg.group_size + torch.arange(cfg.group_size)).flatten()
+        engine.load(versions[-1 - min(lag, len(versions) - 1)])
+        out = engine.sample(expanded[idx.to(device)], n, gen)
+        tokens[idx.to(device)] = out.tokens
+        logp[idx.to(device)] = out.logp
+        lags[idx] = min(lag, len(versions) - 1)
+    r = task_mod.rewards(tokens, task_mod.targets(cfg.task, expanded, n))
+    grouped = r.view(-1, cfg.group_size)
+    adv = (grouped - grouped.mean(dim=1, keepdim=True)).flatten()
+    return _Rollout(expanded, tokens, logp, lags, r, adv)
+
+
+def _loss(cfg: DemoConfig, batch: dict[str, torch.Tensor], stash: list, logits: torch.Tensor):
+    """The policy-gradient loss of one micro-batch (last stage), per-token mean."""
+    logp = response_logprobs(logits, batch["tokens"])
+    stash.append(logp.detach())
+    log_ratio = logp.detach() - batch["rollout_logp"]
+    adv = batch["advantages"][:, None]
+    if cfg.loss == "sequence":
+        seq = log_ratio.sum(dim=1, keepdim=True)
+        weight = torch.exp(seq.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+        clamped = (seq.abs() > MAX_LOG_RATIO).sum()
+    else:  # miles/slime TIS: truncated per-token weight, no gradient through it
+        weight = torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO)).clamp(max=cfg.tis_clip)
+        clamped = (log_ratio > MAX_LOG_RATIO).sum()
+    loss = -(adv * weight * logp).mean()
+    return loss, {"loss": loss.detach(), "clamped": clamped}
+
+
+def _forward_step(cfg: DemoConfig, stash: list, data_iterator: Any, model_chunk: Any):
+    """megatron's forward-step contract: this stage's output and the loss function."""
+    batch = next(data_iterator)
+    out = model_chunk(batch["input_ids"], batch["position_ids"], None, runtime_gather_output=True)
+    return out, partial(_loss, cfg, batch, stash)
 
 
 def _train_arm(
-    cfg: DemoConfig, arm_name: str, lay: _Layout, progress: Any, constant: float
-) -> tuple[list[dict[str, Any]], list[float]]:
-    """One arm's run; returns the writer's records and the LR scale applied at each step."""
+    cfg: DemoConfig, arm_name: str, progress: Any, constant: float
+) -> tuple[list[dict[str, Any]], list[float], bool]:
+    """One arm's run; returns the writer's records, the scale of each step, is-writer."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
     torch.manual_seed(cfg.seed)
-    net = PolicyNet()
-    bounds = stage_bounds(len(net.parts), cfg.pp)
-    first, last = lay.pp_rank == 0, lay.pp_rank == cfg.pp - 1
-    stage = Stage(net, *bounds[lay.pp_rank])
-    with megatron_on_cpu():
-        ddp, optimizer, scheduler = _build(cfg, stage)
+    if cfg.device == "cuda":
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(cfg.seed)
+    model, ddp, optimizer, scheduler = _build(cfg)
+    engine = RolloutEngine(cfg.spec, tp=cfg.tp)
+    lay = _Layout.current(model.config)
+    last = ps.is_pipeline_last_stage()
+    writer = is_writer(cfg, lay)
 
     applied: list[float] = []
 
@@ -296,155 +500,141 @@ def _train_arm(
     ]
     ess_config = cfg.ess_config(arm_name)
     scales: list[float] = []
-    targets = make_targets(cfg.seed)
-    versions: deque[dict[str, torch.Tensor]] = deque([_snapshot(net)], maxlen=cfg.lag + 1)
-    idx = _local_index(lay, cfg.cp)
-    n_traj = cfg.prompts_per_rank * cfg.group_size
-    full_masks = [torch.ones(RESPONSE_LEN) for _ in range(n_traj)]
-    local_masks = local_response_masks(
-        full_masks,
-        [PROMPT_LEN + RESPONSE_LEN] * n_traj,
-        [RESPONSE_LEN] * n_traj,
-        lay.cp_rank,
-        cfg.cp,
-    )
-    mask = torch.stack(local_masks) if idx.numel() else torch.zeros(n_traj, 0)
-    writer = is_writer(cfg, lay)
+    versions: deque[dict[str, Any]] = deque([_publish(model, lay, cfg)], maxlen=cfg.lag + 1)
+    forward_backward = get_forward_backward_func()
+    n, mb = cfg.response_len, cfg.rollouts_per_rank // cfg.microbatches
+    seq_len = task_mod.prompt_length(cfg.task, n) + n - 1
+    masks = [torch.ones(n, device=cfg.device) for _ in range(cfg.rollouts_per_rank)]
     records = []
     for step in range(cfg.steps):
-        # 1. rollout from stale policies (identical on the CP and PP peers of a DP rank)
-        gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + step) * 1009 + lay.dp_rank)
-        lags = torch.randint(0, len(versions), (n_traj,), generator=gen)
-        tasks = torch.randint(0, NUM_TASKS, (cfg.prompts_per_rank,), generator=gen)
-        tasks = tasks.repeat_interleave(cfg.group_size)
-        batch = sample_rollouts(list(versions), lags, tasks, targets, cfg.group_size, gen)
-        tokens = batch.tokens[:, idx]
-        rollout_logp = batch.rollout_logp[:, idx]
+        t0 = time.perf_counter()
+        roll = _sample(cfg, engine, versions, step, lay)
+        t1 = time.perf_counter()
 
-        # 2. forward through the pipeline, this CP rank's tokens only
+        ids, pos = train_inputs(roll.prompts, roll.tokens)
+        micro = [
+            {
+                "input_ids": ids[i : i + mb],
+                "position_ids": pos[i : i + mb],
+                "tokens": roll.tokens[i : i + mb],
+                "rollout_logp": roll.logp[i : i + mb],
+                "advantages": roll.advantages[i : i + mb].to(cfg.device),
+            }
+            for i in range(0, cfg.rollouts_per_rank, mb)
+        ]
+        stash: list[torch.Tensor] = []  # the last stage's log-probs, per micro-batch
+        forward_step = partial(_forward_step, cfg, stash)
+
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        if first:
-            prev = torch.where(idx > 0, batch.tokens[:, (idx - 1).clamp(min=0)], START)
-            x = torch.stack([tasks[:, None].expand_as(prev), idx.expand_as(prev), prev], dim=-1)
-            x = x.reshape(-1, 3)
-        else:
-            x = torch.empty(n_traj * idx.numel(), HIDDEN)
-            dist.recv(x, src=lay.pp_peer(lay.pp_rank - 1))
-            x.requires_grad_(True)
-        out = ddp(x)
-        if not last:
-            dist.send(out.detach(), dst=lay.pp_peer(lay.pp_rank + 1))
-
-        # 3. ESS: one call on every stage (the last computes over CP and DP, every stage
-        # gets its result or its error); arm
-        stats = None
-        detached = None
-        if last:
-            logp = torch.log_softmax(out.float(), dim=-1)
-            logp = logp.gather(1, tokens.reshape(-1, 1)).view(n_traj, idx.numel())
-            detached = logp.detach()
-            stats = _step_stats(detached, rollout_logp, mask, batch, lay)
-        result = compute_ess_lr(
-            list(detached) if last else None,
-            list(rollout_logp) if last else None,
-            local_masks if last else None,
-            config=ess_config,
-            cp_group=lay.cp_group,
-            dp_group=lay.dp_group,
-            pp_group=lay.pp_group,
+        losses = forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro),
+            model=[ddp],
+            num_microbatches=cfg.microbatches,
+            seq_length=seq_len,
+            micro_batch_size=mb,
+            forward_only=False,
         )
-        if arm_name in ("on", "geometric", "product"):
-            scales.append(arm(result).scale)
-        elif arm_name == "constant":
-            scales.append(arm(constant).scale)
-        else:
-            disarm()
-            scales.append(1.0)
+        t2 = time.perf_counter()
 
-        # 4. backward, DDP reduction, the (patched) megatron step, the scheduler
-        if last:
-            if cfg.is_level == "sequence":
-                # grad of exp(S_i) is exp(S_i) * grad S_i: weight each token's logp by the
-                # trajectory's ratio, summed over all CP chunks of it.
-                seq = ((logp.detach() - rollout_logp) * mask).sum(dim=1)
-                if cfg.cp > 1:
-                    dist.all_reduce(seq, group=lay.cp_group)
-                weight = torch.exp(seq.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
-                per_token = -batch.advantages[:, None] * weight[:, None] * logp * mask
+        # ESS over the step's trajectories: every rank, the last stage's log-probs
+        logp = torch.cat(stash) if last else None
+        if cfg.install_ess:
+            result = compute_ess_lr(
+                list(logp) if last else None,
+                list(roll.logp) if last else None,
+                masks,
+                config=ess_config,
+                dp_group=lay.dp_group,
+                pp_group=lay.pp_group,
+            )
+            if arm_name == "off":
+                disarm()
+                scales.append(1.0)
+            elif arm_name == "constant":
+                scales.append(arm(constant).scale)
             else:
-                log_ratio = (logp - rollout_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-                per_token = -batch.advantages[:, None] * torch.exp(log_ratio) * mask
-            # DDP averages over DP x CP; each CP rank holds a part of the per-DP-rank sum
-            loss = per_token.sum() * cfg.cp / (n_traj * RESPONSE_LEN)
-            loss.backward()
+                scales.append(arm(result).scale)
+            rho, ess = result.rho, result.ess
         else:
-            grad = torch.empty_like(out)
-            dist.recv(grad, src=lay.pp_peer(lay.pp_rank + 1))
-            out.backward(grad)
-        if not first:
-            dist.send(x.grad, dst=lay.pp_peer(lay.pp_rank - 1))
-        ddp.finish_grad_sync()
+            scales.append(1.0)
+            rho = ess = math.nan
+        t3 = time.perf_counter()
+
         scheduled = [group["lr"] for group in optimizer.param_groups]
         applied.clear()
-        with megatron_on_cpu():
-            ok, grad_norm, _ = optimizer.step()
+        ok, grad_norm, _ = optimizer.step()
         scheduler.step(increment=1)
+        t4 = time.perf_counter()
 
-        # 5. weight update to the rollout engine
-        _sync_weights(net, bounds, lay)
-        versions.append(_snapshot(net))
+        versions.append(_publish(model, lay, cfg))
+        t5 = time.perf_counter()
 
+        stats = _step_stats(cfg, logp, roll, losses, lay) if last else None
         if writer:
             assert stats is not None
-            records.append(
-                {
-                    "arm": arm_name,
-                    "step": step,
-                    **stats,
-                    "rho": result.rho,
-                    "ess": result.ess,
-                    "num_trajectories": result.num_trajectories,
-                    "lr_scale": scales[-1],
-                    "scheduled_lr": scheduled[0],
-                    "applied_lr": applied[0] if applied else math.nan,
-                    "scheduled_lrs": scheduled,
-                    "applied_lrs": list(applied),
-                    "grad_norm": math.nan if grad_norm is None else float(grad_norm),
-                    "update_successful": bool(ok),
-                }
-            )
+            rec = {
+                "arm": arm_name,
+                "step": step,
+                **stats,
+                "rho": rho,
+                "ess": ess,
+                "num_trajectories": cfg.rollouts_per_rank * cfg.dp,
+                "lr_scale": scales[-1],
+                "scheduled_lr": scheduled[0],
+                "applied_lr": applied[0] if applied else math.nan,
+                "scheduled_lrs": scheduled,
+                "applied_lrs": list(applied),
+                "grad_norm": math.nan if grad_norm is None else float(grad_norm),
+                "update_successful": bool(ok),
+                "time_sample_s": t1 - t0,
+                "time_train_s": (t2 - t1) + (t4 - t3),
+                "time_ess_s": t3 - t2,
+                "time_publish_s": t5 - t4,
+            }
+            if step == cfg.steps - 1:
+                rec["weights_sha256"] = _digest(versions[-1])
+            records.append(rec)
             if progress is not None:
                 progress.put((arm_name, step))
     for hook in hooks:
         hook.remove()
-    disarm()
-    return records, scales
+    if cfg.install_ess:
+        disarm()
+    return records, scales, writer
 
 
 def _step_stats(
-    logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, batch: Any, lay: _Layout
+    cfg: DemoConfig, logp: torch.Tensor, roll: _Rollout, losses: Any, lay: _Layout
 ) -> dict[str, float]:
-    """Reward, mean lag and train/rollout mismatch over the whole global batch (DP x CP)."""
-    diff = (logp - rollout_logp) * mask
-    own = 1.0 if lay.cp_rank == 0 else 0.0  # trajectory-level sums: counted once per DP rank
+    """Reward, lag, loss and train/rollout mismatch over the global batch (all DP ranks)."""
+    diff = (logp - roll.logp).abs().double()
+    fresh = (roll.lags == 0).to(diff.device)
+    clamped = sum(float(x["clamped"]) for x in losses)
     sums = torch.tensor(
         [
-            diff.abs().sum().item(),
-            mask.sum().item(),
-            (diff.abs() > MAX_LOG_RATIO).sum().item(),
-            own * batch.rewards.sum().item(),
-            own * batch.lags.float().sum().item(),
-            own * batch.rewards.numel(),
+            diff.sum().item(),
+            float(diff.numel()),
+            diff[fresh].sum().item(),
+            float(fresh.sum().item() * cfg.response_len),
+            roll.rewards.double().sum().item(),
+            roll.lags.double().sum().item(),
+            float(roll.rewards.numel()),
+            sum(float(x["loss"]) for x in losses),
+            clamped,
         ],
         dtype=torch.float64,
+        device=diff.device,
     )
-    if dist.get_world_size(lay.dp_cp_group) > 1:
-        dist.all_reduce(sums, group=lay.dp_cp_group)
-    abs_sum, count, clamped, reward_sum, lag_sum, n = sums.tolist()
+    if cfg.dp > 1:
+        dist.all_reduce(sums, group=lay.dp_group)
+    abs_sum, count, fresh_sum, fresh_count, reward, lag, rows, loss, clamped = sums.tolist()
     return {
-        "reward": reward_sum / n,
-        "mean_lag": lag_sum / n,
-        "mismatch": abs_sum / max(count, 1.0),
-        "clamped_tokens": int(clamped),
+        "reward": reward / rows,
+        "mean_lag": lag / rows,
+        "mismatch": abs_sum / count,
+        "mismatch_lag0": fresh_sum / fresh_count if fresh_count else math.nan,
+        "loss": loss / (cfg.dp * cfg.microbatches),
+        "clamped": int(clamped),
     }
