@@ -10,10 +10,13 @@ per token. So:
 
 - product's on-policy scale (sqrt rule) at least :data:`BRAKE_SCALE`: product weights, as
   VCPO ships them, brake on lag only;
-- below it, but the on-policy ESS still above :data:`SATURATION_ESS` trajectories: product
-  with ``--ess-lr-calibrate-rollouts K`` (rho divided by the on-policy rho it measures);
-- on-policy ESS below that: the mismatch alone already takes product to ~1/B, no lag signal
-  is left to calibrate: geometric weights;
+- below it, but the on-policy rho still at least :data:`CALIBRATION_MIN_RHO` (``L v <= 1``):
+  product with ``--ess-lr-calibrate-rollouts K`` (rho divided by the on-policy rho it
+  measures);
+- on-policy rho below that: the ESS of log-normal weights of variance above 1 is dominated
+  by a few trajectories and swings from rollout to rollout (measured: calibrated product
+  weights still cut the LR by 20-35% at lag 0 there), and under more mismatch it sits at
+  ~1/B whatever the lag: no lag signal is left to calibrate: geometric weights;
 - and geometric weights "never act" on a run whose every rollout keeps a geometric scale of at
   least :data:`NEVER_ACTS_SCALE`.
 
@@ -29,8 +32,8 @@ from dataclasses import dataclass
 __all__ = [
     "BRAKE_SCALE",
     "CALIBRATE_ROLLOUTS",
+    "CALIBRATION_MIN_RHO",
     "NEVER_ACTS_SCALE",
-    "SATURATION_ESS",
     "Advice",
     "Evidence",
     "TokenStats",
@@ -43,8 +46,8 @@ __all__ = [
 
 #: A scale below this (a cut of more than 10% of the LR) counts as braking.
 BRAKE_SCALE = 0.9
-#: Below this ESS (in trajectories) the mismatch alone has used up product weights' range.
-SATURATION_ESS = 2.0
+#: Below this on-policy product rho (``L v > 1``) calibration cannot separate lag from noise.
+CALIBRATION_MIN_RHO = math.exp(-1.0)
 #: A weight mode whose every rollout keeps at least this scale (a cut under 1%) never acts.
 NEVER_ACTS_SCALE = 0.99
 #: The calibration length suggested (``--ess-lr-calibrate-rollouts``).
@@ -121,7 +124,7 @@ def advise(evidence: Evidence) -> Advice:
     rho = on_policy_product_rho(e.response_length, e.token_variance, e.trajectories)
     scale = sqrt_scale(rho)
     brakes = scale < BRAKE_SCALE
-    saturated = rho * e.trajectories < SATURATION_ESS
+    saturated = rho < CALIBRATION_MIN_RHO
     geometric_quiet = bool(e.geometric_scales) and min(e.geometric_scales) >= NEVER_ACTS_SCALE
     source = (
         "the engines' mismatch alone (lag 0)"
@@ -163,8 +166,8 @@ def advise(evidence: Evidence) -> Advice:
         weights = "geometric"
         lines.append(
             f"-> geometric weights (the default): the mismatch alone takes product weights to "
-            f"an ESS of {rho * e.trajectories:.2g} of {e.trajectories:.0f} trajectories "
-            "(LR at the floor), leaving no lag signal to calibrate"
+            f"rho {rho:.2g} (L v = {e.response_length * e.token_variance:.2g} > 1), where "
+            "their ESS swings from rollout to rollout and no lag signal is left to calibrate"
             + (
                 "; geometric weights do not act on this run either: ESS-LR has little to go "
                 "on at this mismatch (lower it first: e.g. routing replay for MoE)"

@@ -57,8 +57,9 @@ class WeightsConfig:
     #: trajectories per rollout (B)
     batch: int = 64
     #: rollouts per length; the first ``calibrate`` (at lag 0) calibrate, the rest are measured
-    rollouts: int = 4
-    calibrate: int = 2
+    rollouts: int = 6
+    #: as advised (``advice.CALIBRATE_ROLLOUTS``)
+    calibrate: int = 4
     seed: int = 0
     task: str = "sort"
     #: the length the lag-k policy is trained at (its updates reach every length)
