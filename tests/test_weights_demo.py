@@ -21,7 +21,9 @@ from ess_patch.demo.weights import WeightsConfig, run_weights
 
 pytestmark = pytest.mark.usefixtures("clean_ess")
 
-TINY = WeightsConfig(lengths=(8, 24), lags=(0, 2), batch=8, rollouts=2, calibrate=1, train_length=4)
+TINY = WeightsConfig(
+    lengths=(8, 24), lags=(0, 2), batch=16, rollouts=2, calibrate=1, train_length=4
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,9 @@ def test_the_mismatch_is_what_it_says(measured):
         own = rows[(length, 0.0, 0)]["mean_abs_d"]
         assert 0 < own < 0.01  # bf16 engine vs fp32 trainer: a real mismatch at lag 0
         for level in (0.139, 0.369):
-            assert rows[(length, level, 0)]["mean_abs_d"] == pytest.approx(level, rel=0.15)
+            assert rows[(length, level, 0)]["mean_abs_d"] == pytest.approx(
+                level, rel=0.2
+            )  # >= 3 standard errors
 
 
 def test_product_brakes_on_policy_under_moe_noise_and_geometric_does_not(measured):
