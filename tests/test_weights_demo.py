@@ -86,3 +86,8 @@ def test_the_cli_runs_the_scenario(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "weights.png" in out and "| 8 |" in out
     assert (tmp_path / "weights.json").is_file()
+
+
+def test_training_flags_are_refused_not_ignored(capsys):
+    assert main(["demo", "--scenario", "weights", "--steps", "5", "--floor", "0.3"]) == 2
+    assert "--steps, --floor do not apply" in capsys.readouterr().err

@@ -350,6 +350,22 @@ def figure(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+_TRAINING_OPTIONS = (
+    "steps",
+    "lag",
+    "dp",
+    "cp",
+    "pp",
+    "seeds",
+    "lags",
+    "floor",
+    "weight_mode",
+    "rule",
+    "base_ratio",
+    "weight_clip",
+)
+
+
 def cli_main(args: Any) -> int:
     """``ess-patch demo --scenario weights`` (the CLI's parsed ``args``)."""
     import datetime
@@ -357,6 +373,20 @@ def cli_main(args: Any) -> int:
 
     from tqdm import tqdm
 
+    # the training scenarios' settings mean nothing here: say so rather than ignore them
+    ignored = [
+        "--" + name.replace("_", "-")
+        for name in _TRAINING_OPTIONS
+        if getattr(args, name, None) is not None
+    ]
+    if ignored:
+        print(
+            f"ess-patch demo --scenario weights: {', '.join(ignored)} do not apply (it measures "
+            "geometric and product weights with the default rule; it takes --seed, --quick, "
+            "--out, --no-progress)",
+            file=sys.stderr,
+        )
+        return 2
     options: dict[str, Any] = {}
     if getattr(args, "seed", None) is not None:
         options["seed"] = args.seed
