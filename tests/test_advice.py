@@ -43,13 +43,13 @@ def _dump(folder: Path, length: int, s: float, offset: float = 0.0, rollouts: in
 @pytest.mark.parametrize(
     ("length", "s", "offset", "weights", "rho", "geometric_quiet"),
     [
-        # 200 x 0.17^2 = 5.78 > 1 (and exp(-5.78) = 0.003 < 1/8): nothing left to calibrate
+        # 200 x 0.17^2 = 5.78 > 3 (and exp(-5.78) = 0.003 < 1/8): nothing left to calibrate
         (200, 0.17, 0.0, "geometric", 1 / B, True),
-        # 40 x 0.01 = 0.4 <= 1: rho 0.670 >= 1/e, scale 0.819 < 0.9
+        # 40 x 0.01 = 0.4 <= 3: rho 0.670, scale 0.819 < 0.9
         (40, 0.1, 0.0, "product+calibration", math.exp(-0.4), True),
         # 16 x 0.0025 = 0.04: rho 0.961, scale 0.980: product brakes on lag only
         (16, 0.05, 0.0, "product", math.exp(-0.04), True),
-        # lagged trajectories +/-0.5: v = 0.0025 + 0.25, 16 v = 4.04 > 1 -> 1/8; geometric
+        # lagged trajectories +/-0.5: v = 0.0025 + 0.25, 16 v = 4.04 > 3 -> 1/8; geometric
         # rho = cosh(0.5)^2 / cosh(1) = 0.824, scale 0.908 < 0.99: geometric acts here
         (16, 0.05, 0.5, "geometric", 1 / B, False),
     ],
@@ -93,9 +93,9 @@ def test_the_cli_prints_the_recommendation(tmp_path, capsys):
         # scale sqrt(exp(-L v)) = 0.9 at L v = -2 ln 0.9 = 0.2107
         (100, 0.00210, "product"),
         (100, 0.00212, "product+calibration"),
-        # calibration while rho >= 1/e, i.e. L v <= 1
-        (100, 0.00999, "product+calibration"),
-        (100, 0.01001, "geometric"),
+        # calibration while rho >= exp(-3), i.e. L v <= 3
+        (100, 0.02999, "product+calibration"),
+        (100, 0.03001, "geometric"),
     ],
 )
 def test_thresholds_at_their_boundaries(length, variance, weights):

@@ -10,13 +10,13 @@ per token. So:
 
 - product's on-policy scale (sqrt rule) at least :data:`BRAKE_SCALE`: product weights, as
   VCPO ships them, brake on lag only;
-- below it, but the on-policy rho still at least :data:`CALIBRATION_MIN_RHO` (``L v <= 1``):
+- below it, but ``L v`` at most :data:`CALIBRATION_MAX_LV` (on-policy rho >= exp(-3) = 0.05):
   product with ``--ess-lr-calibrate-rollouts K`` (rho divided by the on-policy rho it
   measures);
-- on-policy rho below that: the ESS of log-normal weights of variance above 1 is dominated
-  by a few trajectories and swings from rollout to rollout (measured: calibrated product
-  weights still cut the LR by 20-35% at lag 0 there), and under more mismatch it sits at
-  ~1/B whatever the lag: no lag signal is left to calibrate: geometric weights;
+- on-policy rho below that: the mismatch alone takes the ESS to a few trajectories, where it
+  swings from rollout to rollout and lag has little room left to lower it (measured at B = 64:
+  at ``L v = 3.4`` calibrated product weights still cut the LR by 20% at lag 0 and told lag 8
+  from lag 0 barely; at ``L v >= 7`` not at all): geometric weights;
 - and geometric weights "never act" on a run whose every rollout keeps a geometric scale of at
   least :data:`NEVER_ACTS_SCALE`.
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 __all__ = [
     "BRAKE_SCALE",
     "CALIBRATE_ROLLOUTS",
-    "CALIBRATION_MIN_RHO",
+    "CALIBRATION_MAX_LV",
     "NEVER_ACTS_SCALE",
     "Advice",
     "Evidence",
@@ -46,8 +46,9 @@ __all__ = [
 
 #: A scale below this (a cut of more than 10% of the LR) counts as braking.
 BRAKE_SCALE = 0.9
-#: Below this on-policy product rho (``L v > 1``) calibration cannot separate lag from noise.
-CALIBRATION_MIN_RHO = math.exp(-1.0)
+#: Above this ``L v`` (on-policy product rho below exp(-3)) calibration cannot separate lag
+#: from the mismatch.
+CALIBRATION_MAX_LV = 3.0
 #: A weight mode whose every rollout keeps at least this scale (a cut under 1%) never acts.
 NEVER_ACTS_SCALE = 0.99
 #: The calibration length suggested (``--ess-lr-calibrate-rollouts``).
@@ -124,7 +125,7 @@ def advise(evidence: Evidence) -> Advice:
     rho = on_policy_product_rho(e.response_length, e.token_variance, e.trajectories)
     scale = sqrt_scale(rho)
     brakes = scale < BRAKE_SCALE
-    saturated = rho < CALIBRATION_MIN_RHO
+    saturated = e.response_length * e.token_variance > CALIBRATION_MAX_LV
     geometric_quiet = bool(e.geometric_scales) and min(e.geometric_scales) >= NEVER_ACTS_SCALE
     source = (
         "the engines' mismatch alone (lag 0)"
@@ -166,7 +167,7 @@ def advise(evidence: Evidence) -> Advice:
         weights = "geometric"
         lines.append(
             f"-> geometric weights (the default): the mismatch alone takes product weights to "
-            f"rho {rho:.2g} (L v = {e.response_length * e.token_variance:.2g} > 1), where "
+            f"rho {rho:.2g} (L v = {e.response_length * e.token_variance:.2g} > 3), where "
             "their ESS swings from rollout to rollout and no lag signal is left to calibrate"
             + (
                 "; geometric weights do not act on this run either: ESS-LR has little to go "

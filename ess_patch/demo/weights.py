@@ -53,11 +53,12 @@ class WeightsConfig:
 
     lengths: tuple[int, ...] = (16, 32, 64, 128, 256)
     levels: tuple[tuple[str, float], ...] = LEVELS
-    lags: tuple[int, ...] = (0, 8)
+    #: 8: the demo's maximum lag; 2: a milder one
+    lags: tuple[int, ...] = (0, 2, 8)
     #: trajectories per rollout (B)
     batch: int = 64
     #: rollouts per length; the first ``calibrate`` (at lag 0) calibrate, the rest are measured
-    rollouts: int = 6
+    rollouts: int = 8
     #: as advised (``advice.CALIBRATE_ROLLOUTS``)
     calibrate: int = 4
     seed: int = 0
@@ -246,6 +247,8 @@ def _cell(cfg: WeightsConfig, length: int, name: str, level: float, noisy: list)
                     length, ev.token_variance, ev.trajectories
                 ),
                 **{key: _mean(values) for key, values in got.items()},
+                # the worst rollout: each rollout's LR is scaled by its own rho
+                **{f"min_{key}": min(values) for key, values in got.items()},
                 "rollouts": len(measured),
             }
         )
@@ -271,7 +274,7 @@ def markdown(rows: list[dict], cfg: WeightsConfig) -> str:
         head += [
             f"lag {lag}: geometric rho / scale",
             f"lag {lag}: product rho / scale",
-            f"lag {lag}: product, calibrated: scale",
+            f"lag {lag}: product, calibrated: scale (worst)",
         ]
     head.append("advice")
     parts = []
@@ -287,7 +290,7 @@ def markdown(rows: list[dict], cfg: WeightsConfig) -> str:
                 cells += [
                     f"{r['rho_geometric']:.4f} / {r['scale_geometric']:.3f}",
                     f"{r['rho_product']:.4f} / {r['scale_product']:.3f}",
-                    f"{r['scale_calibrated']:.3f}",
+                    f"{r['scale_calibrated']:.3f} ({r['min_scale_calibrated']:.3f})",
                 ]
             cells.append(mine[0]["advice"])
             parts.append("| " + " | ".join(cells) + " |")
