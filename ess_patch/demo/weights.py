@@ -306,7 +306,7 @@ def figure(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
     names = list(dict.fromkeys(r["mismatch"] for r in rows))
     lags = sorted({r["lag"] for r in rows})
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -341,12 +341,15 @@ def figure(rows: list[dict], path: Path) -> None:
                     alpha=0.5,
                 )
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+        if mode == "product":
+            ax.set_yscale("log")
+        else:  # it stays near 1: a linear axis shows how near
+            ax.set_ylim(0.95, 1.002)
         ax.set_xlabel("response length (tokens)")
         ax.set_title(f"{mode} weights")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("rho = ESS / B")
-    axes[1].legend(fontsize=7, loc="lower left")
+    axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
     fig.suptitle("rho against response length (thin line: exp(-L v), the advice rule's prediction)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
