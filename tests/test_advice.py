@@ -43,17 +43,22 @@ def _dump(folder: Path, length: int, s: float, offset: float = 0.0, rollouts: in
 @pytest.mark.parametrize(
     ("length", "s", "offset", "weights", "rho", "geometric_quiet"),
     [
-        # 200 x 0.17^2 = 5.78 > 3 (and exp(-5.78) = 0.003 < 1/8): nothing left to calibrate
-        (200, 0.17, 0.0, "geometric", 1 / B, True),
-        # 40 x 0.01 = 0.4 <= 3: rho 0.670, scale 0.819 < 0.9
-        (40, 0.1, 0.0, "product+calibration", math.exp(-0.4), True),
+        # trajectories +/-0.05: v = 0.17^2 + 0.05^2, 200 v = 6.28 > 3 (exp(-6.28) < 1/8):
+        # nothing left to calibrate; product observed: sums +/-10, rho 1/2, scale 0.71
+        (200, 0.17, 0.05, "geometric", 1 / B, True),
+        # v = 0.01 + 0.0025, 40 v = 0.5 <= 3: rho 0.607, scale 0.779 < 0.9; observed: sums
+        # +/-2, rho cosh(2)^2 / cosh(4) = 0.518, scale 0.72: it brakes here too
+        (40, 0.1, 0.05, "product+calibration", math.exp(-0.5), True),
+        # the same spread with no trajectory offsets: every sum is 0, product weights never
+        # brake on these rollouts although independent tokens would (40 v = 0.4)
+        (40, 0.1, 0.0, "product", math.exp(-0.4), True),
         # 16 x 0.0025 = 0.04: rho 0.961, scale 0.980: product brakes on lag only
         (16, 0.05, 0.0, "product", math.exp(-0.04), True),
         # lagged trajectories +/-0.5: v = 0.0025 + 0.25, 16 v = 4.04 > 3 -> 1/8; geometric
         # rho = cosh(0.5)^2 / cosh(1) = 0.824, scale 0.908 < 0.99: geometric acts here
         (16, 0.05, 0.5, "geometric", 1 / B, False),
     ],
-    ids=["long-noisy", "medium", "short-quiet", "lagged"],
+    ids=["long-noisy", "medium", "medium-anticorrelated", "short-quiet", "lagged"],
 )
 def test_analyze_recommends_the_weights_by_hand(
     tmp_path, length, s, offset, weights, rho, geometric_quiet
@@ -65,19 +70,20 @@ def test_analyze_recommends_the_weights_by_hand(
     assert advice.product_on_policy_rho == pytest.approx(rho, rel=1e-5)
     assert advice.geometric_never_acts is geometric_quiet
     assert advice.product_brakes_on_policy is (weights != "product")
+    assert (advice.product_on_policy_scale < 0.9) is (length * (s * s + offset**2) > 0.2107)
     text = advice.text()
     assert f"responses of {length} tokens" in text
     assert f"mean |train - rollout| {max(s, offset):.3g}" in text  # |c +/- s|
     if geometric_quiet:
         assert "never act" in text
-    if offset:
-        geometric = math.sqrt(math.cosh(0.5) ** 2 / math.cosh(1.0))
+    if offset:  # weights exp(+/-offset) in equal numbers: rho = cosh(c)^2 / cosh(2c)
+        geometric = math.sqrt(math.cosh(offset) ** 2 / math.cosh(2 * offset))
         assert f"min {geometric:.3g}" in text
     assert "## Which weights for this run" in (tmp_path / "out" / "summary.md").read_text()
 
 
 def test_the_cli_prints_the_recommendation(tmp_path, capsys):
-    d = _dump(tmp_path / "dumps", 40, 0.1)
+    d = _dump(tmp_path / "dumps", 40, 0.1, 0.05)
     assert (
         main(["analyze", str(d), "--out", str(tmp_path / "out"), "--no-progress", "--no-figure"])
         == 0

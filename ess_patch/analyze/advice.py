@@ -8,8 +8,10 @@ differences ``d_t`` of variance ``v`` and responses of L tokens, product weights
 ``exp(mean d_t)`` have variance ``v / L``: their rho stays near 1 unless the policy moved a lot
 per token. So:
 
-- product's on-policy scale (sqrt rule) at least :data:`BRAKE_SCALE`: product weights, as
-  VCPO ships them, brake on lag only;
+- product's on-policy scale (sqrt rule) at least :data:`BRAKE_SCALE`, or product weights'
+  mean scale on the run's own rollouts at least that (mismatch and lag together do not
+  brake them: tokens that are not independent can sum to less than ``L v``): product weights,
+  as VCPO ships them, brake on lag only;
 - below it, but ``L v`` at most :data:`CALIBRATION_MAX_LV` (on-policy rho >= exp(-3) = 0.05):
   product with ``--ess-lr-calibrate-rollouts K`` (rho divided by the on-policy rho it
   measures);
@@ -124,7 +126,8 @@ def advise(evidence: Evidence) -> Advice:
     e = evidence
     rho = on_policy_product_rho(e.response_length, e.token_variance, e.trajectories)
     scale = sqrt_scale(rho)
-    brakes = scale < BRAKE_SCALE
+    observed_quiet = bool(e.product_scales) and _mean(e.product_scales) >= BRAKE_SCALE
+    brakes = scale < BRAKE_SCALE and not observed_quiet
     saturated = e.response_length * e.token_variance > CALIBRATION_MAX_LV
     geometric_quiet = bool(e.geometric_scales) and min(e.geometric_scales) >= NEVER_ACTS_SCALE
     source = (
@@ -152,8 +155,13 @@ def advise(evidence: Evidence) -> Advice:
         )
     if not brakes:
         weights = "product"
+        why = (
+            "on these rollouts they cut the LR by under"
+            if scale < BRAKE_SCALE
+            else "the mismatch costs under"
+        )
         lines.append(
-            f"-> product weights (--ess-lr-weight-mode product): the mismatch costs under "
+            f"-> product weights (--ess-lr-weight-mode product): {why} "
             f"{100 * (1 - BRAKE_SCALE):.0f}% of the LR at this length, so they brake on lag"
         )
     elif not saturated:
