@@ -42,21 +42,51 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     demo = subparsers.add_parser(
         "demo",
-        help="run a small async-RL training on CPU with ESS-LR off and on (needs the demo extra)",
+        help="train a tiny megatron GPTModel with fully-async RL, ESS-LR off and on "
+        "(needs the demo extra)",
         description=(
-            "Trains a tiny policy with off-policy policy gradient over local gloo ranks, using "
-            "megatron-core's real optimizer and LR scheduler patched by ess_patch.install(). "
-            "Rollouts come from stale copies of the policy (up to --lag updates old). Two arms "
-            "with the same seeds: ESS-LR off and on. Writes config.json, steps.jsonl, "
-            "summary.json, ess_demo.png and ranks/ (each rank's log) to the output folder."
+            "Trains a tiny megatron-core GPTModel (local transformer impl) on a digit task with "
+            "partial credit (sort / reverse / add), by fully-async RL over local gloo ranks: "
+            "rollout workers sample from stale snapshots (up to --lag updates old) with a bf16 "
+            "KV-cache engine, the fp32 trainer runs megatron's DDP, optimizer, LR scheduler and "
+            "pipeline schedule, patched by ess_patch.install(). Arms with the same seeds (ESS-LR "
+            "off, geometric, product ...). Writes config.json, steps.jsonl, summary.json, "
+            "figures, TensorBoard events (tb/) and ranks/ (each rank's log) to the output "
+            "folder. Context parallelism is not offered: megatron's local attention has none."
         ),
     )
-    demo.add_argument("--steps", type=int, help="optimizer steps (= rollouts) per arm [400]")
+    demo.add_argument("--steps", type=int, help="optimizer steps (= rollouts) per arm [150]")
     demo.add_argument("--lag", type=int, help="maximum staleness of a rollout, in updates [8]")
+    demo.add_argument("--workers", type=int, help="rollout workers per data-parallel rank [4]")
     demo.add_argument("--seed", type=int, help="seed of the model, the task and the rollouts [0]")
     demo.add_argument("--dp", type=int, help="data-parallel size [2]")
-    demo.add_argument("--cp", type=int, help="context-parallel size (zigzag split) [2]")
-    demo.add_argument("--pp", type=int, help="pipeline-parallel size, at most 4 [1]")
+    demo.add_argument("--tp", type=int, help="tensor-parallel size: 1, 2 or 4 [1]")
+    demo.add_argument("--pp", type=int, help="pipeline-parallel size, divides the layers [1]")
+    demo.add_argument(
+        "--cp",
+        type=int,
+        help="context-parallel size: only 1 (megatron's local attention has no CP)",
+    )
+    demo.add_argument(
+        "--device", choices=("cpu", "cuda"), help="cpu (gloo) or cuda (NCCL, 1 GPU/rank) [cpu]"
+    )
+    demo.add_argument("--task", choices=("sort", "reverse", "add"), help="the task [sort]")
+    demo.add_argument("--response-len", type=int, help="response tokens, 1..256 [16]")
+    demo.add_argument("--layers", type=int, help="transformer layers [2]")
+    demo.add_argument("--lr", type=float, help="peak learning rate (Adam) [1e-3]")
+    demo.add_argument(
+        "--loss",
+        choices=("tis", "sequence"),
+        help="tis: token-level truncated IS (miles/slime); sequence: sequence-level IS, "
+        "untruncated (VCPO's regime) [tis]",
+    )
+    demo.add_argument(
+        "--arms",
+        type=_name_list,
+        help="comma-separated arms among off, on (the --weight-mode... settings), geometric, "
+        "product, vcpo (product, per step, no floor), constant (the mean LR of product) "
+        "[off,geometric,product]",
+    )
     # ESS-LR's settings, from EssLrConfig's fields: a flag given > ESS_LR_* > the default
     add_config_options(demo, "--", DEMO_ESS_FIELDS, check=False, installed=False)
     demo.add_argument("--out", type=Path, help="output folder [./ess-demo-out/<date>-<time>]")
@@ -67,10 +97,10 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
         "--scenario",
         choices=("default", "stress", "weights"),
         default="default",
-        help="stress: stale rollouts, untruncated sequence-level IS, arms off / geometric / "
-        "product / constant-LR control over paired seeds; weights: rho and scale of geometric "
-        "and product weights against response length, lag and train/rollout mismatch "
-        "(docs/which-weights.md) [default]",
+        help="stress: the regime chosen from the off arm alone (benchmarks/stress_select.py), "
+        "arms off / geometric / product / constant-LR control / vcpo over paired seeds; "
+        "weights: rho and scale of geometric and product weights against response length, lag "
+        "and train/rollout mismatch (docs/which-weights.md) [default]",
     )
     demo.add_argument("--seeds", type=int, help="stress: paired seeds 0..N-1 [8; --quick: 2]")
     demo.add_argument(
@@ -80,6 +110,43 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     )
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+
+
+def _name_list(text: str) -> tuple[str, ...]:
+    names = tuple(v.strip() for v in text.split(",") if v.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more names separated by commas")
+    return names
+
+
+#: CLI flag -> DemoConfig field, for the flags that are not spelled like their field.
+_DEMO_FIELDS = {
+    "steps": "steps",
+    "lag": "lag",
+    "workers": "rollout_workers",
+    "seed": "seed",
+    "dp": "dp",
+    "tp": "tp",
+    "pp": "pp",
+    "cp": "cp",
+    "device": "device",
+    "task": "task",
+    "response_len": "response_len",
+    "layers": "num_layers",
+    "lr": "lr",
+    "loss": "loss",
+    "arms": "arms",
+}
+_FLAG_OF = {field: flag for flag, field in _DEMO_FIELDS.items()}
+
+
+def _demo_options(args: argparse.Namespace, *names: str) -> dict:
+    """DemoConfig fields from the demo flags the user gave (``names``: flags to read)."""
+    return {
+        _DEMO_FIELDS[name]: getattr(args, name)
+        for name in names or _DEMO_FIELDS
+        if getattr(args, name) is not None
+    }
 
 
 def _int_list(text: str) -> list[int]:
@@ -101,7 +168,7 @@ def _install_hint(extra: str) -> str:
 
 
 def _flag(field: str) -> str:
-    return "--" + field.replace("_", "-")
+    return "--" + _FLAG_OF.get(field, field).replace("_", "-")
 
 
 def _ess_settings(args: argparse.Namespace, **fixed: str) -> EssLrConfig:
@@ -165,11 +232,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     from .demo.launch import DemoError
     from .demo.train import DemoConfigError
 
-    options = {
-        name: getattr(args, name)
-        for name in ("steps", "lag", "seed", "dp", "cp", "pp")
-        if getattr(args, name) is not None
-    }
+    options = _demo_options(args)
     try:
         options["ess"] = _ess_settings(args)
     except ValueError as exc:
@@ -191,9 +254,10 @@ def _run_demo(args: argparse.Namespace) -> int:
         print(f"ess-patch demo: {problem}", file=sys.stderr)
         return 2
     print(
-        f"ess-patch demo: {cfg.world_size} ranks (dp={cfg.dp} cp={cfg.cp} pp={cfg.pp}), "
-        f"{cfg.steps} steps per arm, max lag {cfg.lag}, {cfg.ess.weight_mode} weights, "
-        f"floor {cfg.ess.floor}"
+        f"ess-patch demo: {cfg.world_size} ranks (dp={cfg.dp} tp={cfg.tp} pp={cfg.pp}) on "
+        f"{cfg.device}, {cfg.num_layers}-layer GPTModel, task {cfg.task} x{cfg.response_len} "
+        f"tokens, {cfg.loss} loss, {cfg.steps} steps per arm ({', '.join(cfg.arms)}), "
+        f"{cfg.rollout_workers} rollout workers per DP rank, max lag {cfg.lag}"
     )
     bar = tqdm(
         total=cfg.steps * len(cfg.arms),
@@ -224,10 +288,12 @@ def _run_demo(args: argparse.Namespace) -> int:
         "collapsed = the smoothed reward ends more than half of its peak gain below the peak; "
         "LR scaled = steps whose applied LR was below the scheduled LR"
     )
+    print(result.timing)
+    print()
     print(f"finished in {result.wall_s:.0f}s; outputs in {result.out_dir.resolve()}:")
-    for path in (result.figure, result.records_path, result.summary_path):
+    for path in (*result.figures, result.records_path, result.summary_path):
         print(f"  {path.name}")
-    print("  config.json, ranks/ (the run's settings; each rank's log)")
+    print("  config.json, tb/ (TensorBoard events, if tensorboard is installed), ranks/")
     return 0
 
 
@@ -236,12 +302,23 @@ def _run_stress(args: argparse.Namespace) -> int:
 
     from .demo.launch import DemoError
     from .demo.stress import QUICK_STEPS, STRESS, run_stress, stress_config
+    from .demo.train import DemoConfigError
 
-    options = {
-        name: getattr(args, name)
-        for name in ("steps", "lag", "dp", "cp", "pp")
-        if getattr(args, name) is not None
-    }
+    options = _demo_options(
+        args, "steps", "lag", "workers", "dp", "tp", "pp", "cp", "device", "response_len"
+    )
+    fixed = [
+        f"--{flag.replace('_', '-')}"
+        for flag in ("task", "layers", "lr", "loss", "arms")
+        if getattr(args, flag) is not None
+    ]
+    if fixed:
+        print(
+            f"ess-patch demo: --scenario stress fixes {', '.join(fixed)} (chosen from the off "
+            "arm alone, see benchmarks/stress_select.py); drop them",
+            file=sys.stderr,
+        )
+        return 2
     if args.quick:
         options.setdefault("steps", QUICK_STEPS)
     seeds = args.seeds if args.seeds is not None else (2 if args.quick else 8)
@@ -258,6 +335,11 @@ def _run_stress(args: argparse.Namespace) -> int:
         cfg = stress_config(**options)
         if seeds < 2:
             raise ValueError(f"--seeds {seeds}: paired statistics need at least 2 seeds")
+    except DemoConfigError as exc:
+        print(
+            f"ess-patch demo: {_flag(exc.field)} {exc.problem} (got {exc.value})", file=sys.stderr
+        )
+        return 2
     except ValueError as exc:
         print(f"ess-patch demo: {exc}", file=sys.stderr)
         return 2
@@ -268,7 +350,7 @@ def _run_stress(args: argparse.Namespace) -> int:
         out = Path("ess-demo-out") / f"stress-{stamp}"
     print(
         f"ess-patch demo --scenario stress: {cfg.world_size} ranks, {cfg.steps} steps, "
-        f"{cfg.is_level}-level IS, lr {cfg.lr:g}, max lag {', '.join(map(str, lags))}; "
+        f"{cfg.loss} loss, lr {cfg.lr:g}, max lag {', '.join(map(str, lags))}; "
         f"{seeds} paired seeds x arms {', '.join(cfg.arms)}"
     )
     bar = tqdm(

@@ -1,4 +1,4 @@
-"""``ess-patch demo --quick``: real ranks, real megatron optimizer; outputs exist and agree.
+"""``ess-patch demo``: real ranks, a real megatron GPTModel and optimizer; outputs exist and agree.
 
 Multi-process (gloo ranks from a forkserver), so marked ``dist``. Needs the ``demo`` extra
 (matplotlib, tqdm) besides megatron-core.
@@ -20,8 +20,10 @@ from ess_patch.demo import report
 
 pytestmark = pytest.mark.dist
 
-FLOOR = 0.1
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+QUICK_STEPS = 12
+#: (loss, max lag, lr, clip_grad, steps) that benchmarks/stress_select.py chose.
+STRESS_CHOICE = ("sequence", 32, 1e-2, 1.0, 60)
 
 
 def _rel_close(a: float, b: float, rel: float = 1e-6) -> bool:
@@ -30,22 +32,50 @@ def _rel_close(a: float, b: float, rel: float = 1e-6) -> bool:
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
-    """One ``ess-patch demo --quick`` through the CLI (default layout dp=2 x cp=2)."""
+    """One ``ess-patch demo --quick`` through the CLI (dp=2; arms off and product)."""
     out = tmp_path_factory.mktemp("demo") / "out"
     code = cli.main(["demo", "--quick", "--no-progress", "--out", str(out)])
     records = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
     return code, out, records
 
 
-def test_quick_run_writes_outputs(quick_run, capsys):
+def test_quick_run_writes_outputs(quick_run):
     code, out, _ = quick_run
     assert code == 0
     for name in ("steps.jsonl", "summary.json", "ess_demo.png", "config.json"):
         assert (out / name).is_file(), name
     assert (out / "ranks" / "rank0.log").is_file()
     summary = json.loads((out / "summary.json").read_text())
-    assert [a["arm"] for a in summary["arms"]] == ["off", "on"]
-    assert summary["config"]["dp"] == 2 and summary["config"]["cp"] == 2
+    assert [a["arm"] for a in summary["arms"]] == ["off", "product"]
+    assert summary["config"]["dp"] == 2 and summary["config"]["tp"] == 1
+    # where the time went, per arm: every part measured, ess-patch a part of the step
+    for arm in ("off", "product"):
+        t = summary["time_s"][arm]
+        assert t["steps"] == QUICK_STEPS
+        assert t["sample"] > 0 and t["train"] > 0 and t["ess"] > 0
+        assert 0 < t["ess_share_of_step"] < 1 and 0 < t["cpu_ess_share_of_step"] < 1
+
+
+def test_quick_run_prints_the_table_and_the_time(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli.main(["demo", "--quick", "--no-progress", "--steps", "2", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "ESS-LR off" in text and "ESS-LR product" in text
+    assert "where the time went" in text and "ess-patch" in text and "ms step" in text
+
+
+def test_tensorboard_events_have_the_framework_metric_names(quick_run):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, out, records = quick_run
+    events = EventAccumulator(str(out / "tb" / "product"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/lr_scale", "train/rho_ess", "reward"} <= tags
+    product = [r for r in records if r["arm"] == "product"]
+    logged = [e.value for e in events.Scalars("train/lr_scale")]
+    assert logged == pytest.approx([r["lr_scale"] for r in product], rel=1e-6)
 
 
 def test_figure_is_a_png(quick_run):
@@ -61,59 +91,162 @@ def test_figure_is_a_png(quick_run):
 def test_both_arms_have_the_same_steps(quick_run):
     _, _, records = quick_run
     off = [r["step"] for r in records if r["arm"] == "off"]
-    on = [r["step"] for r in records if r["arm"] == "on"]
-    assert off == on == list(range(12))
-    assert {r["arm"] for r in records} == {"off", "on"}
+    on = [r["step"] for r in records if r["arm"] == "product"]
+    assert off == on == list(range(QUICK_STEPS))
+    # same seeds: the first rollout (same weights, same sampling seed) is the same
+    assert records[0]["reward"] == next(r for r in records if r["arm"] == "product")["reward"]
 
 
-def test_off_arm_applies_the_scheduled_lr(quick_run):
-    _, _, records = quick_run
-    for r in (r for r in records if r["arm"] == "off"):
-        assert r["lr_scale"] == 1.0
+def _check_applied_lr(records: list[dict], floor: float) -> None:
+    """applied LR == scheduled LR x scale at every step of every arm, and the scale is the
+    arm's rule of the recorded rho (independently recomputed here)."""
+    assert records
+    by_arm: dict[str, list[dict]] = {}
+    for r in records:
+        by_arm.setdefault(r["arm"], []).append(r)
+        assert r["update_successful"], r
         assert r["applied_lrs"] and len(r["applied_lrs"]) == len(r["scheduled_lrs"])
-        assert r["applied_lrs"] == r["scheduled_lrs"], r["step"]
-        assert r["update_successful"]
-
-
-def test_on_arm_applies_scheduled_times_scale(quick_run):
-    _, _, records = quick_run
-    on = [r for r in records if r["arm"] == "on"]
-    for r in on:
-        assert FLOOR <= r["lr_scale"] <= 1.0
-        assert 0.0 < r["rho"] <= 1.0 + 1e-12
-        assert len(r["applied_lrs"]) == len(r["scheduled_lrs"])
         for applied, scheduled in zip(r["applied_lrs"], r["scheduled_lrs"]):
-            assert _rel_close(applied, scheduled * r["lr_scale"]), r["step"]
-        assert _rel_close(r["applied_lr"], r["scheduled_lr"] * r["lr_scale"])
-        # the default rule: sqrt(rho), clamped to the floor
-        assert _rel_close(r["lr_scale"], max(FLOOR, min(1.0, math.sqrt(r["rho"]))), 1e-9)
-    # step 0 is on-policy (no stale version yet): nothing to scale
-    assert on[0]["rho"] == pytest.approx(1.0) and on[0]["mismatch"] == pytest.approx(0.0, abs=1e-6)
-    assert any(r["lr_scale"] < 1.0 for r in on)  # stale rollouts did move rho
+            assert _rel_close(applied, scheduled * r["lr_scale"]), (r["arm"], r["step"])
+        if r["arm"] == "off":
+            assert r["lr_scale"] == 1.0 and r["applied_lrs"] == r["scheduled_lrs"]
+        elif r["arm"] in ("product", "geometric", "on"):  # default rule sqrt, floor 0.1
+            assert _rel_close(r["lr_scale"], max(floor, min(1.0, math.sqrt(r["rho"]))), 1e-9)
+        elif r["arm"] == "vcpo":  # sqrt, no floor
+            assert _rel_close(r["lr_scale"], min(1.0, math.sqrt(r["rho"])), 1e-9)
+    for arm, rows in by_arm.items():
+        assert [r["step"] for r in rows] == list(range(len(rows))), arm
+    if "constant" in by_arm:
+        product = [r["lr_scale"] for r in by_arm["product"]]
+        mean = sum(product) / len(product)
+        assert all(_rel_close(r["lr_scale"], mean) for r in by_arm["constant"])
+
+
+def test_dp_layout_applies_scheduled_times_scale(quick_run):
+    _, _, records = quick_run
+    _check_applied_lr(records, floor=0.1)
+    product = [r for r in records if r["arm"] == "product"]
+    # stale and bf16 rollouts moved rho: the product arm braked at least once
+    assert any(r["lr_scale"] < 1.0 for r in product)
+    assert product[0]["mean_lag"] == 0.0  # step 0: every worker holds the initial weights
+    assert 0 < product[0]["mismatch"] < 0.05  # bf16 engine vs fp32 trainer, at lag 0
     # the scheduler ran: warmup, so the scheduled LR changes over the run
-    assert len({r["scheduled_lr"] for r in on}) > 1
+    assert len({r["scheduled_lr"] for r in product}) > 1
 
 
 def test_records_are_finite_and_consistent(quick_run):
     _, _, records = quick_run
     for r in records:
-        for key in ("reward", "rho", "ess", "grad_norm", "mismatch", "mean_lag"):
+        for key in ("reward", "rho", "ess", "grad_norm", "mismatch", "mean_lag", "loss"):
             assert math.isfinite(r[key]), (key, r)
         assert 0.0 <= r["reward"] <= 1.0
         assert r["num_trajectories"] == 64  # 2 DP ranks x 8 prompts x 4 samples
         assert r["ess"] == pytest.approx(r["rho"] * r["num_trajectories"])
+        assert 0 <= r["mean_lag"] <= 4  # --quick: max lag 4
 
 
-def test_pipeline_layout_gives_the_same_run(quick_run, tmp_path):
-    """dp=2 x pp=2 sees the same global batch as dp=2 x cp=2: same numbers up to rounding."""
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param({"dp": 1, "tp": 2}, id="tp2"),
+        pytest.param({"dp": 1, "pp": 2, "microbatches": 2}, id="pp2-1f1b"),
+    ],
+)
+def test_every_layout_applies_scheduled_times_scale(tmp_path, layout):
+    """TP (megatron's tensor-parallel layers) and PP (megatron's 1F1B schedule over gloo)."""
     from ess_patch.demo import quick_config, run
 
-    _, _, records = quick_run
-    other = run(quick_config(dp=2, cp=1, pp=2), tmp_path / "pp").records
-    assert [(r["arm"], r["step"]) for r in other] == [(r["arm"], r["step"]) for r in records]
-    for a, b in zip(records, other):
-        for key in ("reward", "rho", "lr_scale", "mismatch", "applied_lr", "scheduled_lr"):
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (key, a["step"])
+    arms = ("off", "product", "vcpo", "constant")
+    cfg = quick_config(steps=4, lag=2, arms=arms, **layout)
+    records = run(cfg, tmp_path / "out").records
+    _check_applied_lr(records, floor=0.1)
+    assert {r["arm"] for r in records} == set(arms)
+    assert all(r["num_trajectories"] == 32 for r in records)
+
+
+def test_off_arm_is_bit_identical_to_a_run_without_ess_patch(tmp_path):
+    """ess_patch.install() + compute_ess_lr every step, never armed == ess-patch absent."""
+    from ess_patch.demo import quick_config
+    from ess_patch.demo.launch import launch
+
+    runs = {}
+    for installed in (True, False):
+        cfg = quick_config(steps=4, lag=2, arms=("off",), install_ess=installed)
+        runs[installed] = launch(cfg, tmp_path / str(installed))
+    keys = ("reward", "mismatch", "loss", "grad_norm", "applied_lrs", "scheduled_lrs")
+    for a, b in zip(runs[True], runs[False], strict=True):
+        assert [a[k] for k in keys] == [b[k] for k in keys], a["step"]
+    assert runs[True][-1]["weights_sha256"] == runs[False][-1]["weights_sha256"]
+    assert math.isfinite(runs[True][0]["rho"]) and math.isnan(runs[False][0]["rho"])
+
+
+def test_worker_lags_hand_values():
+    from ess_patch.demo.train import worker_lags
+
+    # 4 workers, max lag 6: pull every 1, 3, 5, 7 steps, phase w
+    assert worker_lags(0, 4, 6) == [0, 0, 0, 0]  # nothing older than the start
+    assert worker_lags(1, 4, 6) == [0, 1, 1, 1]
+    assert worker_lags(10, 4, 6) == [0, 2, 2, 6]
+    assert max(max(worker_lags(s, 4, 6)) for s in range(100)) == 6
+    assert worker_lags(5, 1, 3) == [1]  # one worker: pulls every 4 steps
+    assert worker_lags(7, 3, 0) == [0, 0, 0]  # max lag 0: on-policy
+
+
+def test_task_answers_and_partial_credit():
+    import torch
+
+    from ess_patch.demo import task
+
+    prompts = torch.tensor([[11, 3, 1, 2, 10]])
+    assert task.targets("sort", prompts, 3).tolist() == [[1, 2, 3]]
+    assert task.targets("reverse", torch.tensor([[12, 3, 1, 2, 10]]), 3).tolist() == [[2, 1, 3]]
+    # add, least significant digit first: 95 + 17 = 112 -> mod 100 = 12 -> digits [2, 1]
+    add = torch.tensor([[13, 5, 9, 7, 1, 10]])
+    assert task.targets("add", add, 2).tolist() == [[2, 1]]
+    assert task.rewards(torch.tensor([[1, 2, 0]]), torch.tensor([[1, 2, 3]])).tolist() == [
+        pytest.approx(2 / 3)
+    ]
+    gen = torch.Generator().manual_seed(0)
+    p = task.make_prompts("add", 16, 5, gen)
+    assert p.shape == (5, task.prompt_length("add", 16)) == (5, 34)
+    assert int(p[:, 1:-1].max()) < task.DIGITS and int(p.max()) < task.VOCAB
+    with pytest.raises(ValueError, match="task='copy'"):
+        task.make_prompts("copy", 4, 1, gen)
+
+
+def test_policy_engine_matches_the_trainer_up_to_bf16(tmp_path):
+    """The KV-cache engine's log-probs equal the trainer's teacher-forced ones in fp32, and
+    differ by bf16 rounding only in bf16: the lag-0 mismatch the demo has."""
+    import torch
+
+    from ess_patch.demo import task
+    from ess_patch.demo.policy import (
+        PolicySpec,
+        RolloutEngine,
+        build_policy,
+        single_process,
+        train_logprobs,
+    )
+
+    n = 12
+    spec = PolicySpec(max_len=task.prompt_length("sort", n) + n)
+    with single_process(str(tmp_path)):
+        torch.manual_seed(0)
+        model = build_policy(spec)
+        prompts = task.make_prompts("sort", n, 6, torch.Generator().manual_seed(1))
+        diffs = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            engine = RolloutEngine(spec, dtype=dtype)
+            engine.load(model.state_dict())
+            out = engine.sample(prompts, n, torch.Generator().manual_seed(2))
+            assert out.tokens.shape == out.logp.shape == (6, n)
+            logp = train_logprobs(model, prompts, out.tokens)
+            assert logp.requires_grad
+            diffs[dtype] = (logp.detach() - out.logp).abs().max().item()
+        with pytest.raises(ValueError, match="exceed the model's max_len"):
+            engine.sample(prompts, n + 1, torch.Generator())
+    assert diffs[torch.float32] < 1e-5
+    assert 1e-5 < diffs[torch.bfloat16] < 0.1
 
 
 def test_collapse_criterion():
@@ -132,26 +265,42 @@ def test_stress_config_is_the_selected_scenario():
 
     cfg = stress_config()
     # What benchmarks/stress_select.py chose from the off arm alone, and the four arms.
-    assert (cfg.is_level, cfg.lag, cfg.lr, cfg.clip_grad, cfg.steps) == (
-        "sequence",
-        16,
-        0.1,
-        1.0,
-        150,
-    )
-    assert (cfg.dp, cfg.cp, cfg.pp) == (2, 1, 1)
-    assert cfg.arms == STRESS_ARMS == ("off", "geometric", "product", "constant")
+    assert (cfg.loss, cfg.lag, cfg.lr, cfg.clip_grad, cfg.steps) == STRESS_CHOICE
+    assert (cfg.dp, cfg.tp, cfg.pp) == (2, 1, 1)
+    assert cfg.arms == STRESS_ARMS == ("off", "geometric", "product", "constant", "vcpo")
     assert cfg.control_of == "product"
     assert stress_config(steps=7).steps == 7
 
 
-def test_constant_arm_must_follow_its_control():
+def test_bad_configs_name_the_field():
     from ess_patch.demo import DemoConfig
+    from ess_patch.demo.train import DemoConfigError
 
-    with pytest.raises(ValueError, match="control_of='product', which must come before it"):
-        DemoConfig(arms=("off", "constant", "product"))
-    with pytest.raises(ValueError, match="is_level='tokens'"):
-        DemoConfig(is_level="tokens")
+    cases = [
+        ({"arms": ("off", "constant", "product")}, "arms", "which must come before it"),
+        ({"loss": "tokens"}, "loss", "give one of ('tis', 'sequence')"),
+        ({"cp": 2}, "cp", "Transformer Engine"),
+        ({"response_len": 0}, "response_len", "[1, 256]"),
+        ({"tp": 3}, "tp", "vocabulary"),
+        ({"microbatches": 3}, "microbatches", "rollouts per rank (32)"),
+        ({"device": "tpu"}, "device", "('cpu', 'cuda')"),
+    ]
+    for kwargs, field, problem in cases:
+        with pytest.raises(DemoConfigError) as info:
+            DemoConfig(**kwargs)
+        assert info.value.field == field and problem in info.value.problem, kwargs
+
+
+def test_cuda_on_a_cpu_only_machine_fails_clearly(capsys, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    assert cli.main(["demo", "--device", "cuda", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ess-patch demo: --device no CUDA device is available"), err
+    assert "--device cpu" in err
+    assert not (tmp_path / "o").exists()
 
 
 def test_bootstrap_ci_hand_values():
@@ -192,7 +341,7 @@ def test_stress_flags_need_the_stress_scenario(capsys):
 def test_short_stress_run_pairs_arms(tmp_path):
     from ess_patch.demo.stress import run_stress, stress_config
 
-    cfg = stress_config(steps=6, lag=4)
+    cfg = stress_config(steps=4, lag=2)
     result = run_stress(cfg, tmp_path, seeds=2)
     rows = [json.loads(line) for line in result.steps_path.read_text().splitlines()]
     for seed in (0, 1):
@@ -202,9 +351,11 @@ def test_short_stress_run_pairs_arms(tmp_path):
             )
             for arm in cfg.arms
         }
-        # Same seed per arm: the first rollout (same weights, same sampling seed) is identical.
+        # Same seed per arm: the first rollout (same weights, same sampling seed) is identical,
+        # and so is its rho under the same weights (the scenario's, product, in off/constant)
         first = {arm: (rs[0]["reward"], rs[0]["rho"]) for arm, rs in by_arm.items()}
-        assert len(set(first.values())) == 1, first
+        assert len({reward for reward, _ in first.values()}) == 1, first
+        assert len({first[a] for a in ("off", "product", "constant", "vcpo")}) == 1, first
         # The control's multiplier is the mean scale of the same seed's product run.
         product_scales = [r["lr_scale"] for r in by_arm["product"]]
         mean_scale = sum(product_scales) / len(product_scales)
@@ -213,7 +364,7 @@ def test_short_stress_run_pairs_arms(tmp_path):
             assert _rel_close(r["lr_scale"], mean_scale)
             assert _rel_close(r["applied_lr"], r["scheduled_lr"] * mean_scale, rel=1e-5)
         assert all(r["lr_scale"] == 1.0 for r in by_arm["off"])
-    main = result.summary["by_lag"]["4"]
+    main = result.summary["by_lag"]["2"]
     off = [main["runs"][str(s)]["off"]["final_reward"] for s in (0, 1)]
     prod = [main["runs"][str(s)]["product"]["final_reward"] for s in (0, 1)]
     pair = next(p for p in main["paired"] if p["arm"] == "product" and p["base"] == "off")

@@ -1,9 +1,10 @@
-"""``ess-patch demo``: a real multi-process async-RL run on CPU, with ESS-LR off and on.
+"""``ess-patch demo``: fully-async RL of a tiny megatron-core GPTModel, ESS-LR off and on.
 
-Needs the ``demo`` extra (megatron-core, matplotlib, tqdm). Nothing here is imported by
-``import ess_patch``. See :mod:`ess_patch.demo.train` for what one rank does,
-:mod:`ess_patch.demo.task` for the policy and the reward, and :mod:`ess_patch.demo.cpu`
-for the demo-only shim that lets megatron-core's optimizer run on a CPU.
+Needs the ``demo`` extra (megatron-core, matplotlib, tqdm; tensorboard for event files).
+Nothing here is imported by ``import ess_patch``. See :mod:`ess_patch.demo.train` for what
+one rank does, :mod:`ess_patch.demo.policy` for the model and its bf16 rollout engine,
+:mod:`ess_patch.demo.task` for the task and the reward, and :mod:`ess_patch.demo.cpu` for the
+demo-only shim that lets megatron-core run on a CPU.
 
 Python use::
 
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 RECORDS_FILE = "steps.jsonl"
 FIGURE_FILE = "ess_demo.png"
 SUMMARY_FILE = "summary.json"
+TENSORBOARD_DIR = "tb"
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,9 @@ class DemoResult:
     records: list[dict[str, Any]]
     summaries: list[Any]  # report.ArmSummary, one per arm
     table: str
+    timing: str  # where the time went (sampling, training, ess-patch)
     figure: Path
+    figures: tuple[Path, ...]
     records_path: Path
     summary_path: Path
     wall_s: float
@@ -50,7 +54,7 @@ class DemoResult:
 
 def quick_config(**overrides: Any) -> DemoConfig:
     """The ``--quick`` smoke run: a few steps, same layout."""
-    values: dict[str, Any] = {"steps": 12, "lag": 4, "warmup": 2}
+    values: dict[str, Any] = {"steps": 12, "lag": 4, "warmup": 2, "arms": ("off", "product")}
     values.update(overrides)
     return DemoConfig(**values)
 
@@ -83,15 +87,20 @@ def run(
     title = (
         f"ess-patch demo: dp={cfg.dp} tp={cfg.tp} pp={cfg.pp}, {cfg.task} x{cfg.response_len}, "
         f"{cfg.loss} loss, max lag {cfg.lag}, "
-        f"{cfg.steps} steps, seed {cfg.seed}, {cfg.ess.weight_mode} weights, floor {cfg.ess.floor}"
+        f"{cfg.steps} steps, seed {cfg.seed}, floor {cfg.ess.floor}\n"
+        f"(off arm: rho with {cfg.ess.weight_mode} weights, computed but never applied)"
     )
     report.write_figure(records, cfg.arms, figure, title)
+    times = report.timing(records, cfg.arms)
+    tensorboard = report.write_tensorboard(records, cfg.arms, out / TENSORBOARD_DIR)
     summary_path = out / SUMMARY_FILE
     summary_path.write_text(
         json.dumps(
             {
                 "config": cfg.to_dict(),
                 "wall_s": wall,
+                "time_s": times,
+                "tensorboard": str(out / TENSORBOARD_DIR) if tensorboard else None,
                 "collapse_criterion": (
                     f"smoothed reward ends more than {report.COLLAPSE_GIVEBACK:.0%} of its peak "
                     f"gain below the peak (gain >= {report.MIN_GAIN}), or a non-finite reward"
@@ -108,7 +117,9 @@ def run(
         records=records,
         summaries=summaries,
         table=report.format_table(summaries),
+        timing=report.format_timing(times),
         figure=figure,
+        figures=(figure,),
         records_path=records_path,
         summary_path=summary_path,
         wall_s=wall,

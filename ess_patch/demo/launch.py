@@ -1,13 +1,13 @@
-"""Start the demo's ranks as local processes (gloo) and collect what they recorded.
+"""Start the demo's ranks as local processes and collect what they recorded.
 
 Each rank is a forkserver child (torch and megatron-core preloaded once: a launch costs
 milliseconds, not a fresh import per rank) that joins a gloo world (NCCL with
-``device="cuda"``: one GPU per rank) through a ``FileStore``, sets up megatron's real ``parallel_state.initialize_model_parallel`` with the requested
-DP x TP x PP layout and runs :func:`ess_patch.demo.train.run_rank`. Each rank logs
-to ``<out>/ranks/rank<r>.log``. A rank that raises writes its traceback next to its log and
-exits at once (its peers then fail fast on the closed connections); the others get
-:data:`FAIL_GRACE_S` seconds, then are stopped, and :class:`DemoError` carries the traceback
-of the rank that failed first.
+``device="cuda"``: one GPU per rank) through a ``FileStore``, sets up megatron's real
+``parallel_state.initialize_model_parallel`` with the requested DP x TP x PP layout and runs
+:func:`ess_patch.demo.train.run_rank`. Each rank logs to ``<out>/ranks/rank<r>.log``. A rank
+that raises writes its traceback next to its log and exits at once (its peers then fail fast
+on the closed connections); the others get :data:`FAIL_GRACE_S` seconds, then are stopped,
+and :class:`DemoError` carries the traceback of the rank that failed first.
 """
 
 from __future__ import annotations
@@ -48,8 +48,12 @@ COLLECTIVE_TIMEOUT_S = 300.0
 #: Seconds the other ranks get to report their own error after the first one failed.
 FAIL_GRACE_S = 3.0
 _LOG_TAIL_LINES = 40
-# Megatron warns once per rank that it runs without Transformer Engine / Apex (always, on CPU).
-_QUIET_WARNINGS = "ignore:Transformer Engine and Apex are not installed:UserWarning"
+# Megatron warns once per process that it runs without Transformer Engine / Apex (always, on
+# CPU); the forkserver's preload writes to this terminal.
+_QUIET_WARNINGS = ",".join(
+    f"ignore:{message}:UserWarning"
+    for message in ("Transformer Engine and Apex are not installed", "Apex is not installed")
+)
 
 
 class DemoError(RuntimeError):

@@ -200,14 +200,19 @@ class RolloutEngine:
     """
 
     def __init__(
-        self, spec: PolicySpec, *, tp: int = 1, dtype: torch.dtype = torch.bfloat16
+        self,
+        spec: PolicySpec,
+        *,
+        tp: int = 1,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str = "cpu",
     ) -> None:
         from megatron.core.transformer.module import Float16Module
 
         self.spec = spec
         self.dtype = dtype
         # every layer on this rank (pipeline size 1 in its config), whatever the trainer's PP
-        inner = build_policy(spec, tp=tp, pp=1, dtype=dtype)
+        inner = build_policy(spec, tp=tp, pp=1, dtype=dtype, device=device)
         inner.eval()
         self._inner = inner
         self.model = (
@@ -244,8 +249,8 @@ class RolloutEngine:
                 f"{self.spec.max_len}: build the PolicySpec with a larger max_len"
             )
         ctx = StaticInferenceContext(b, p + response_len)
-        tokens = torch.empty(b, response_len, dtype=torch.long)
-        logp = torch.empty(b, response_len, dtype=torch.float32)
+        tokens = torch.empty(b, response_len, dtype=torch.long, device=prompts.device)
+        logp = torch.empty(b, response_len, dtype=torch.float32, device=prompts.device)
         step_in, pos = prompts, _positions(b, 0, p, prompts.device)
         for t in range(response_len):
             logits = self.model(

@@ -1,4 +1,5 @@
-"""What a demo run leaves behind: per-step JSON lines, a summary, a PNG figure."""
+"""What a demo run leaves behind: per-step JSON lines, a summary, figures, TensorBoard events,
+and where the time went."""
 
 from __future__ import annotations
 
@@ -10,13 +11,17 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "COLORS",
     "ArmSummary",
     "collapsed",
     "format_table",
+    "format_timing",
     "smooth",
     "summarize",
+    "timing",
     "write_figure",
     "write_jsonl",
+    "write_tensorboard",
 ]
 
 #: Collapse criterion: at the end, the smoothed reward has given back more than this
@@ -133,7 +138,16 @@ def write_jsonl(records: Sequence[dict[str, Any]], path: Path) -> None:
             f.write(json.dumps(r) + "\n")
 
 
-_COLORS = {"off": "tab:red", "on": "tab:blue"}
+COLORS = {
+    "off": "tab:red",
+    "on": "tab:purple",
+    "geometric": "tab:green",
+    "product": "tab:blue",
+    "vcpo": "tab:orange",
+    "constant": "0.4",
+}
+#: Per-step time fields the ranks record (the writer rank's own clock).
+TIME_FIELDS = ("time_sample_s", "time_train_s", "time_ess_s", "time_publish_s")
 
 
 def _scale_to_data(ax: Any, values: Sequence[float]) -> None:
@@ -163,7 +177,7 @@ def write_figure(
         if not rows:
             continue
         steps = [r["step"] for r in rows]
-        color = _COLORS.get(arm)
+        color = COLORS.get(arm)
         label = f"ESS-LR {arm}"
         rewards = [r["reward"] for r in rows]
         axes[0].plot(steps, rewards, color=color, alpha=0.25, linewidth=0.8)
@@ -185,3 +199,77 @@ def write_figure(
     fig.suptitle(title, fontsize=10)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def timing(records: Sequence[dict[str, Any]], arms: Sequence[str]) -> dict[str, dict[str, float]]:
+    """Per arm: seconds spent sampling, training (forward, backward, optimizer step), in
+    ess-patch (``compute_ess_lr`` + ``arm``) and publishing weights, over all its steps, and
+    ess-patch's share of an optimizer step (ess / (train + ess)), in wall time and in the
+    rank's own CPU time (without the time spent waiting for peers in collectives)."""
+    out = {}
+    for arm in arms:
+        rows = [r for r in records if r["arm"] == arm and "time_ess_s" in r]
+        if not rows:
+            continue
+        sums = {
+            k.removeprefix("time_").removesuffix("_s"): sum(r[k] for r in rows) for k in TIME_FIELDS
+        }
+        cpu_train = sum(r["cpu_train_s"] for r in rows)
+        cpu_ess = sum(r["cpu_ess_s"] for r in rows)
+        step, cpu_step = sums["train"] + sums["ess"], cpu_train + cpu_ess
+        out[arm] = {
+            **sums,
+            "steps": len(rows),
+            "ess_ms_per_step": 1e3 * sums["ess"] / len(rows),
+            "step_ms": 1e3 * step / len(rows),
+            "ess_share_of_step": sums["ess"] / step if step > 0 else math.nan,
+            "cpu_ess_ms_per_step": 1e3 * cpu_ess / len(rows),
+            "cpu_step_ms": 1e3 * cpu_step / len(rows),
+            "cpu_ess_share_of_step": cpu_ess / cpu_step if cpu_step > 0 else math.nan,
+        }
+    return out
+
+
+def format_timing(times: dict[str, dict[str, float]]) -> str:
+    """Where the time went, one line per arm (the writer rank's clock)."""
+    lines = [
+        "where the time went (writer rank, wall): sampling / training (fwd+bwd+optimizer) / "
+        "ess-patch (compute_ess_lr + arm) / weight publish",
+        "ess-patch per optimizer step: wall (with waiting for peers) | CPU (this rank's work)",
+    ]
+    for arm, t in times.items():
+        lines.append(
+            f"  {arm:<10} {t['sample']:7.1f}s / {t['train']:6.1f}s / {t['ess']:5.2f}s / "
+            f"{t['publish']:5.2f}s;  ess-patch {t['ess_ms_per_step']:.2f} ms of a "
+            f"{t['step_ms']:.1f} ms step ({100 * t['ess_share_of_step']:.1f}%) | "
+            f"{t['cpu_ess_ms_per_step']:.2f} ms of {t['cpu_step_ms']:.1f} ms "
+            f"({100 * t['cpu_ess_share_of_step']:.1f}%)"
+        )
+    return "\n".join(lines)
+
+
+def write_tensorboard(
+    records: Sequence[dict[str, Any]], arms: Sequence[str], directory: Path
+) -> bool:
+    """TensorBoard event files, one run per arm (``<directory>/<arm>``), with the metric names
+    the frameworks log: ``train/lr_scale``, ``train/rho_ess``, ``reward`` (and
+    ``train/ess``, ``train/mismatch``, ``train/lr``). False if tensorboard is not installed."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # torch's writer needs the tensorboard package
+        return False
+    for arm in arms:
+        rows = sorted((r for r in records if r["arm"] == arm), key=lambda r: r["step"])
+        writer = SummaryWriter(log_dir=str(directory / arm))
+        try:
+            for r in rows:
+                step = r["step"]
+                writer.add_scalar("reward", r["reward"], step)
+                writer.add_scalar("train/lr_scale", r["lr_scale"], step)
+                writer.add_scalar("train/rho_ess", r["rho"], step)
+                writer.add_scalar("train/ess", r["ess"], step)
+                writer.add_scalar("train/mismatch", r["mismatch"], step)
+                writer.add_scalar("train/lr", r["applied_lr"], step)
+        finally:
+            writer.close()
+    return True

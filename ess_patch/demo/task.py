@@ -68,7 +68,7 @@ def targets(task: str, prompts: torch.Tensor, n: int) -> torch.Tensor:
         return digits.flip(1)
     a, b = digits[:, :n], digits[:, n:]
     out = torch.empty_like(a)
-    carry = torch.zeros(a.shape[0], dtype=torch.long)
+    carry = torch.zeros(a.shape[0], dtype=torch.long, device=a.device)
     for i in range(n):  # little-endian: position 0 is the least significant digit
         s = a[:, i] + b[:, i] + carry
         out[:, i], carry = s % DIGITS, s // DIGITS

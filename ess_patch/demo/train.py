@@ -98,7 +98,7 @@ class DemoConfigError(ValueError):
 class DemoConfig:
     """Everything a demo run depends on (the same on every rank)."""
 
-    steps: int = 200
+    steps: int = 150
     #: Maximum staleness of a rollout, in optimizer updates.
     lag: int = 8
     rollout_workers: int = 4
@@ -297,9 +297,6 @@ def run_rank(cfg: DemoConfig, progress: Any = None) -> list[dict[str, Any]] | No
     ``progress``: an object with ``put((arm, step))`` (a multiprocessing queue), fed by the
     writer rank after every step.
     """
-    from .cpu import megatron_on_cpu
-
-    shim = megatron_on_cpu() if cfg.device == "cpu" else contextlib.nullcontext()
     installed = False
     if cfg.install_ess:
         import ess_patch
@@ -307,16 +304,15 @@ def run_rank(cfg: DemoConfig, progress: Any = None) -> list[dict[str, Any]] | No
         ess_patch.install(["megatron"], config=cfg.ess_config())
         installed = True
     try:
-        with shim:
-            records: list[dict[str, Any]] = []
-            mean_scale: dict[str, float] = {}
-            writer = False
-            for arm_name in cfg.arms:
-                constant = mean_scale.get(cfg.control_of, 1.0)
-                arm_records, scales, writer = _train_arm(cfg, arm_name, progress, constant)
-                records += arm_records
-                # every rank holds the same scales (compute_ess_lr's result is global)
-                mean_scale[arm_name] = sum(scales) / len(scales)
+        records: list[dict[str, Any]] = []
+        mean_scale: dict[str, float] = {}
+        writer = False
+        for arm_name in cfg.arms:
+            constant = mean_scale.get(cfg.control_of, 1.0)
+            arm_records, scales, writer = _train_arm(cfg, arm_name, progress, constant)
+            records += arm_records
+            # every rank holds the same scales (compute_ess_lr's result is global)
+            mean_scale[arm_name] = sum(scales) / len(scales)
     finally:
         if installed:
             import ess_patch
@@ -431,16 +427,19 @@ def _sample(
     logp = torch.empty(rows, n, dtype=torch.float32, device=device)
     lags = torch.empty(rows, dtype=torch.long)
     expanded = prompts.repeat_interleave(cfg.group_size, dim=0)
-    for w, lag in enumerate(lags_by_worker):
-        mine = (owner == w).nonzero().flatten()
+    available = len(versions) - 1
+    # workers whose weights are equally old hold the same weights: one engine pass for them
+    for lag in sorted(set(lags_by_worker)):
+        workers = [w for w, x in enumerate(lags_by_worker) if x == lag]
+        mine = torch.isin(owner, torch.tensor(workers)).nonzero().flatten()
         if not mine.numel():
             continue
         idx = (mine[:, None] * cfg.group_size + torch.arange(cfg.group_size)).flatten()
-        engine.load(versions[-1 - min(lag, len(versions) - 1)])
+        engine.load(versions[-1 - min(lag, available)])
         out = engine.sample(expanded[idx.to(device)], n, gen)
         tokens[idx.to(device)] = out.tokens
         logp[idx.to(device)] = out.logp
-        lags[idx] = min(lag, len(versions) - 1)
+        lags[idx] = min(lag, available)
     r = task_mod.rewards(tokens, task_mod.targets(cfg.task, expanded, n))
     grouped = r.view(-1, cfg.group_size)
     adv = (grouped - grouped.mean(dim=1, keepdim=True)).flatten()
@@ -464,6 +463,15 @@ def _loss(cfg: DemoConfig, batch: dict[str, torch.Tensor], stash: list, logits: 
     return loss, {"loss": loss.detach(), "clamped": clamped}
 
 
+def _shim(cfg: DemoConfig) -> Any:
+    """What megatron's calls run in: the CPU shim on a CPU, nothing on a GPU."""
+    if cfg.device == "cpu":
+        from .cpu import megatron_on_cpu
+
+        return megatron_on_cpu
+    return contextlib.nullcontext
+
+
 def _forward_step(cfg: DemoConfig, stash: list, data_iterator: Any, model_chunk: Any):
     """megatron's forward-step contract: this stage's output and the loss function."""
     batch = next(data_iterator)
@@ -483,8 +491,12 @@ def _train_arm(
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(cfg.seed)
-    model, ddp, optimizer, scheduler = _build(cfg)
-    engine = RolloutEngine(cfg.spec, tp=cfg.tp)
+    # megatron's code runs inside the CPU shim (demo only); ess-patch's own calls outside it,
+    # as they run in production
+    shim = _shim(cfg)
+    with shim():
+        model, ddp, optimizer, scheduler = _build(cfg)
+        engine = RolloutEngine(cfg.spec, tp=cfg.tp, device=cfg.device)
     lay = _Layout.current(model.config)
     last = ps.is_pipeline_last_stage()
     writer = is_writer(cfg, lay)
@@ -508,8 +520,9 @@ def _train_arm(
     records = []
     for step in range(cfg.steps):
         t0 = time.perf_counter()
-        roll = _sample(cfg, engine, versions, step, lay)
-        t1 = time.perf_counter()
+        with shim():
+            roll = _sample(cfg, engine, versions, step, lay)
+        t1, c1 = time.perf_counter(), time.thread_time()
 
         ids, pos = train_inputs(roll.prompts, roll.tokens)
         micro = [
@@ -527,16 +540,17 @@ def _train_arm(
 
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        losses = forward_backward(
-            forward_step_func=forward_step,
-            data_iterator=iter(micro),
-            model=[ddp],
-            num_microbatches=cfg.microbatches,
-            seq_length=seq_len,
-            micro_batch_size=mb,
-            forward_only=False,
-        )
-        t2 = time.perf_counter()
+        with shim():
+            losses = forward_backward(
+                forward_step_func=forward_step,
+                data_iterator=iter(micro),
+                model=[ddp],
+                num_microbatches=cfg.microbatches,
+                seq_length=seq_len,
+                micro_batch_size=mb,
+                forward_only=False,
+            )
+        t2, c2 = time.perf_counter(), time.thread_time()
 
         # ESS over the step's trajectories: every rank, the last stage's log-probs
         logp = torch.cat(stash) if last else None
@@ -560,13 +574,14 @@ def _train_arm(
         else:
             scales.append(1.0)
             rho = ess = math.nan
-        t3 = time.perf_counter()
+        t3, c3 = time.perf_counter(), time.thread_time()
 
         scheduled = [group["lr"] for group in optimizer.param_groups]
         applied.clear()
-        ok, grad_norm, _ = optimizer.step()
+        with shim():
+            ok, grad_norm, _ = optimizer.step()
         scheduler.step(increment=1)
-        t4 = time.perf_counter()
+        t4, c4 = time.perf_counter(), time.thread_time()
 
         versions.append(_publish(model, lay, cfg))
         t5 = time.perf_counter()
@@ -592,6 +607,9 @@ def _train_arm(
                 "time_train_s": (t2 - t1) + (t4 - t3),
                 "time_ess_s": t3 - t2,
                 "time_publish_s": t5 - t4,
+                # this thread's CPU time: the work itself, without waiting for peers
+                "cpu_train_s": (c2 - c1) + (c4 - c3),
+                "cpu_ess_s": c3 - c2,
             }
             if step == cfg.steps - 1:
                 rec["weights_sha256"] = _digest(versions[-1])

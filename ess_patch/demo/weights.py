@@ -356,20 +356,8 @@ def figure(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-_TRAINING_OPTIONS = (
-    "steps",
-    "lag",
-    "dp",
-    "cp",
-    "pp",
-    "seeds",
-    "lags",
-    "floor",
-    "weight_mode",
-    "rule",
-    "base_ratio",
-    "weight_clip",
-)
+#: What the weights scenario reads of the demo's options; any other given is refused.
+_OWN_OPTIONS = ("command", "func", "scenario", "seed", "out", "quick", "no_progress", "verbose")
 
 
 def cli_main(args: Any) -> int:
@@ -382,8 +370,8 @@ def cli_main(args: Any) -> int:
     # the training scenarios' settings mean nothing here: say so rather than ignore them
     ignored = [
         "--" + name.replace("_", "-")
-        for name in _TRAINING_OPTIONS
-        if getattr(args, name, None) is not None
+        for name, value in vars(args).items()
+        if name not in _OWN_OPTIONS and value is not None and value is not False
     ]
     if ignored:
         print(
