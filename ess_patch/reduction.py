@@ -141,7 +141,9 @@ def envelope(
     if config is not None:
         out[_HAS_CONFIG] = 1.0
         out[_CONFIG:_CALIBRATION] = torch.tensor(config.fingerprint(), dtype=torch.float64)
-    out[_CALIBRATION:] = torch.tensor(calibration, dtype=torch.float64)
+    if calibration != NO_CALIBRATION:  # else zeros already: no extra op without calibration
+        out[_CALIBRATION] = float(calibration[0])
+        out[_CALIBRATION + 1] = float(calibration[1])
     return out
 
 
