@@ -95,11 +95,12 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     )
     demo.add_argument(
         "--scenario",
-        choices=("default", "stress"),
+        choices=("default", "stress", "weights"),
         default="default",
         help="stress: the regime chosen from the off arm alone (benchmarks/stress_select.py), "
-        "arms off / geometric / product / constant-LR control / vcpo over paired seeds "
-        "[default]",
+        "arms off / geometric / product / constant-LR control / vcpo over paired seeds; "
+        "weights: rho and scale of geometric and product weights against response length, lag "
+        "and train/rollout mismatch (docs/which-weights.md) [default]",
     )
     demo.add_argument("--seeds", type=int, help="stress: paired seeds 0..N-1 [8; --quick: 2]")
     demo.add_argument(
@@ -218,6 +219,10 @@ def _run_demo(args: argparse.Namespace) -> int:
         return 2
     if args.scenario == "stress":
         return _run_stress(args)
+    if args.scenario == "weights":
+        from .demo.weights import cli_main
+
+        return cli_main(args)
     if args.seeds is not None or args.lags is not None:
         print("ess-patch demo: --seeds and --lags need --scenario stress", file=sys.stderr)
         return 2

@@ -7,10 +7,12 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from . import estimator
+from . import calibration, estimator
 from .config import EssLrConfig
 from .reduction import (
     ENVELOPE_SIZE,
+    NO_CALIBRATION,
+    agreed_calibration,
     all_gather_rows,
     all_reduce_trajectory_stats,
     any_missing,
@@ -21,6 +23,7 @@ from .reduction import (
     origin_rank,
 )
 from .result import ENCODED_SIZE, EssLrResult
+from .state import STATE
 
 __all__ = ["compute_ess_lr", "compute_ess_lr_from_stats"]
 
@@ -140,7 +143,7 @@ def _rollout_result(
 ) -> EssLrResult:
     """One stage's rollout result over its CP and DP groups (``error``: a fault this rank
     already has; it still joins every collective, flagged)."""
-    summaries = _reduce(
+    summaries, agreed = _reduce(
         *inputs,
         config=config,  # type: ignore[arg-type]  # None only with an error: never read
         cp_group=cp_group,
@@ -148,7 +151,17 @@ def _rollout_result(
         error=error,
     )
     assert config is not None
-    return estimator.result(summaries, config)
+    return _decide(summaries, config, agreed)
+
+
+def _decide(
+    summaries: torch.Tensor, config: EssLrConfig, agreed: tuple[float, float]
+) -> EssLrResult:
+    """The result of every rank's summaries, calibrated when the config asks for it."""
+    result = estimator.result(summaries, config)
+    if config.calibrate_rollouts:
+        result = calibration.apply(result, config, agreed)
+    return result
 
 
 def _across_stages(
@@ -266,7 +279,7 @@ def compute_ess_lr_from_stats(
             error = exc
     elif not distributed:
         raise error
-    summaries = _reduce_table(
+    summaries, agreed = _reduce_table(
         None if error is not None else trajectory_stats,
         missing=False,
         error=error,
@@ -275,7 +288,7 @@ def compute_ess_lr_from_stats(
         dp_group=dp_group,
         sizes=sizes,
     )
-    return estimator.result(summaries, config)
+    return _decide(summaries, config, agreed)
 
 
 def _reduce(
@@ -287,10 +300,11 @@ def _reduce(
     cp_group: object | None,
     dp_group: object | None,
     error: BaseException | None = None,
-) -> torch.Tensor:
-    """Every DP rank's summary row, ``[DP, SUMMARY_SIZE]``, or the error every rank must
-    raise. ``error``: a fault this rank already has (raised at once in a single process;
-    else it joins every collective flagged, naming the rank it came from, then re-raises it)."""
+) -> tuple[torch.Tensor, tuple[float, float]]:
+    """Every DP rank's summary row, ``[DP, SUMMARY_SIZE]``, and the calibration the ranks
+    agreed on, or the error every rank must raise. ``error``: a fault this rank already has
+    (raised at once in a single process; else it joins every collective flagged, naming the
+    rank it came from, then re-raises it)."""
     sizes = group_size(cp_group, "CP"), group_size(dp_group, "DP")
     distributed = max(sizes) > 1
     missing = log_probs is None or rollout_log_probs is None
@@ -330,12 +344,15 @@ def _reduce_table(
     cp_group: object | None,
     dp_group: object | None,
     sizes: tuple[int, int],
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, tuple[float, float]]:
     """The collectives of :func:`_reduce` on a prepared ``[B, 3]`` trajectory table (None
     with ``error`` set: this rank failed to prepare it, and still enters every collective;
     ``config`` None: this rank's config was not an EssLrConfig, it fails in the envelope;
-    ``sizes``: the CP and DP group sizes)."""
+    ``sizes``: the CP and DP group sizes). Also returns the calibration every rank continues
+    from (calibration.py: it travels in the envelopes; this rank's own with no peers)."""
     cp_size, dp_size = sizes
+    calibrating = config is not None and config.calibrate_rollouts > 0
+    agreed = STATE.calibration if calibrating else NO_CALIBRATION
     origin = None if error is None else origin_rank(error)
     fault: Exception | None = None
     if cp_size > 1:
@@ -346,11 +363,14 @@ def _reduce_table(
                 missing=missing,
                 rows=-1 if stats is None else stats.shape[0],
                 config=config,
+                calibration=agreed,
             ),
             cp_group,
             "CP",
         )
         fault = check_envelopes(envelopes, "CP", same_rows=True)
+        if calibrating:
+            agreed = agreed_calibration(envelopes)
         if error is None and fault is None:
             assert stats is not None
             stats = all_reduce_trajectory_stats(stats, cp_group)
@@ -370,11 +390,16 @@ def _reduce_table(
             raise error
         if fault is not None:
             raise fault
-        return summary.unsqueeze(0)
+        return summary.unsqueeze(0), agreed
     # one all-gather: the summary with this rank's envelope (zeros from a failed rank)
     rows = all_gather_rows(
         torch.cat(
-            [summary, envelope(failed=failed, config=config, origin=origin).to(summary.device)]
+            [
+                summary,
+                envelope(failed=failed, config=config, origin=origin, calibration=agreed).to(
+                    summary.device
+                ),
+            ]
         ),
         dp_group,
         "DP",
@@ -385,7 +410,9 @@ def _reduce_table(
         fault = check_envelopes(rows[:, estimator.SUMMARY_SIZE :], "DP")
     if fault is not None:
         raise fault
-    return rows[:, : estimator.SUMMARY_SIZE]
+    if calibrating:
+        agreed = agreed_calibration(rows[:, estimator.SUMMARY_SIZE :])
+    return rows[:, : estimator.SUMMARY_SIZE], agreed
 
 
 _DEFAULT_CONFIG = EssLrConfig()  # frozen: built once, not at every call (~10 us of checks)

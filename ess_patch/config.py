@@ -61,7 +61,9 @@ class EssLrConfig:
     """How the ESS of a rollout becomes an LR scale.
 
     ``scale = clamp(rule(rho / base_ratio), floor, 1)`` with ``rho = ESS / B``, over the weights
-    ``w_i = exp(m_i)``, or ``min(w_i, weight_clip)`` when ``weight_clip`` is set.
+    ``w_i = exp(m_i)``, or ``min(w_i, weight_clip)`` when ``weight_clip`` is set. With
+    ``calibrate_rollouts = K > 0`` the first K measured results apply scale 1, and every later
+    one divides rho by ``base_ratio x`` their mean rho instead (``ess_patch.calibration``).
 
     Raises:
         ValueError: a field is out of range or names an unknown mode (the message
@@ -83,7 +85,11 @@ class EssLrConfig:
         metadata={HELP: "Scale from rho = ESS/B: sqrt(rho/base_ratio) or rho/base_ratio."},
     )
     base_ratio: float = field(
-        default=1.0, metadata={HELP: "rho is divided by this before the rule (1.0: no rescaling)."}
+        default=1.0,
+        metadata={
+            HELP: "rho is divided by this before the rule (1.0: no rescaling); with "
+            "calibrate_rollouts, by this x the calibrated rho."
+        },
     )
     nonfinite: str = field(
         default="raise",
@@ -121,6 +127,19 @@ class EssLrConfig:
         },
     )
 
+    #: Calibrate the base ratio from the first K measured results (0: off): see
+    #: ``ess_patch.calibration``. Product weights brake even on-policy at long responses,
+    #: because the train/rollout mismatch noise sums over the tokens; this divides it out.
+    calibrate_rollouts: int = field(
+        default=0,
+        metadata={
+            HELP: "Calibrate: the LR is not scaled during the first K measured rollouts (or "
+            "optimizer steps, with granularity 'step'); then rho is divided by base_ratio x "
+            "their mean rho, so that only a drop below the run's on-policy rho brakes (the "
+            "train/inference mismatch alone no longer does). Logged. 0: off."
+        },
+    )
+
     def __post_init__(self) -> None:
         floor = _as_float("floor", self.floor)
         if not 0.0 < floor <= 1.0:
@@ -142,6 +161,7 @@ class EssLrConfig:
         _choice("granularity", self.granularity, GRANULARITIES)
         object.__setattr__(self, "shadow", _as_bool("shadow", self.shadow))
         object.__setattr__(self, "weight_clip", _weight_clip(self.weight_clip))
+        object.__setattr__(self, "calibrate_rollouts", _calibration(self.calibrate_rollouts))
 
     def fingerprint(self) -> list[float]:
         """One float per field, equal on two ranks exactly when that field is equal.
@@ -155,8 +175,8 @@ class EssLrConfig:
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> EssLrConfig:
         """Build a config from ``ESS_LR_FLOOR``, ``ESS_LR_WEIGHT_MODE``, ``ESS_LR_RULE``,
         ``ESS_LR_BASE_RATIO``, ``ESS_LR_NONFINITE``, ``ESS_LR_SHADOW`` (1/0/true/false),
-        ``ESS_LR_GRANULARITY``, ``ESS_LR_WEIGHT_CLIP`` (a number, or ``none``); explicit
-        ``overrides`` win.
+        ``ESS_LR_GRANULARITY``, ``ESS_LR_WEIGHT_CLIP`` (a number, or ``none``),
+        ``ESS_LR_CALIBRATE_ROLLOUTS`` (an integer >= 0); explicit ``overrides`` win.
 
         Raises:
             ValueError: a variable holds a value its field does not take; the message names
@@ -184,6 +204,7 @@ _ALLOWED = {
     "base_ratio": "a finite number > 0 (e.g. 1.0)",
     "shadow": "1, 0, true or false",
     "weight_clip": "a finite number > 0, or none (no clipping)",
+    "calibrate_rollouts": "an integer >= 0, the rollouts to calibrate on (0: off)",
     **{name: ", ".join(choices) for name, choices in CHOICES.items()},
 }
 
@@ -220,6 +241,26 @@ def _weight_clip(value: object) -> float | None:
             "weight w_i = exp(m_i) becomes min(w_i, weight_clip)), or None for no clipping"
         )
     return clip
+
+
+#: More rollouts than any run holds: a typo (e.g. a learning rate in the wrong field).
+_MAX_CALIBRATION = 1_000_000
+
+
+def _calibration(value: object) -> int:
+    # from_env and the options hand strings over: "4" yes; "4.5", "-1", True no
+    text = value.strip() if isinstance(value, str) else value
+    if isinstance(text, str) and text.lstrip("+").isdigit():
+        text = int(text)
+    if isinstance(text, float) and text.is_integer():
+        text = int(text)
+    if isinstance(text, bool) or not isinstance(text, int) or not 0 <= text <= _MAX_CALIBRATION:
+        raise ValueError(
+            f"EssLrConfig.calibrate_rollouts={value!r} must be a whole number of rollouts in "
+            f"[0, {_MAX_CALIBRATION}]: the base ratio is calibrated from the mean rho of the "
+            "first that many measured rollouts (0: off, base_ratio as given)"
+        )
+    return text
 
 
 _TRUE = ("1", "true")

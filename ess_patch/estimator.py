@@ -38,6 +38,7 @@ __all__ = [
     "combine",
     "finalize",
     "result",
+    "scale_of",
     "summarize",
     "trajectory_stats",
     "validate_inputs",
@@ -370,10 +371,16 @@ def finalize(summary: torch.Tensor, config: EssLrConfig) -> EssLrResult:
     # After the shift the largest weight is exactly 1: 1 <= S2 <= S1 <= B, no overflow.
     ess = s[_S1] * s[_S1] / s[_S2]
     rho = min(1.0, max(1.0 / n_valid, ess / n_valid))
-    ratio = rho / config.base_ratio
-    raw = math.sqrt(ratio) if config.rule == "sqrt" else ratio
-    scale = min(1.0, max(config.floor, raw))
+    scale = scale_of(rho, config)
     return EssLrResult(scale=scale, rho=rho, ess=ess, num_trajectories=n_valid, num_empty=n_empty)
+
+
+def scale_of(rho: float, config: EssLrConfig, base_ratio: float | None = None) -> float:
+    """``clamp(rule(rho / base_ratio), floor, 1)``; ``base_ratio`` defaults to the config's
+    (calibration passes the one it chose)."""
+    ratio = rho / (config.base_ratio if base_ratio is None else base_ratio)
+    raw = math.sqrt(ratio) if config.rule == "sqrt" else ratio
+    return min(1.0, max(config.floor, raw))
 
 
 def result(summaries: torch.Tensor, config: EssLrConfig) -> EssLrResult:

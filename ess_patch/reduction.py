@@ -20,7 +20,9 @@ from .result import ENCODED_SIZE, EssLrResult
 
 __all__ = [
     "ENVELOPE_SIZE",
+    "NO_CALIBRATION",
     "ConfigMismatchError",
+    "agreed_calibration",
     "all_gather_rows",
     "all_reduce_sum",
     "all_reduce_trajectory_stats",
@@ -107,9 +109,14 @@ def gather_rows(row: torch.Tensor, group: object, size: int) -> torch.Tensor:
 # --- envelopes: what every rank must know before (or with) the payload ------------------------
 
 # Layout of an envelope row (float64): whether this rank failed, whether its log-probs are
-# missing, the height of its payload, its global rank, whether a config travels, the config.
+# missing, the height of its payload, its global rank, whether a config travels, the config,
+# then the calibration this rank holds (results counted, sum of their rho: see calibration.py).
 _ERROR, _MISSING, _ROWS, _RANK, _HAS_CONFIG = range(5)
-ENVELOPE_SIZE = 5 + FINGERPRINT_SIZE
+_CONFIG = _HAS_CONFIG + 1
+_CALIBRATION = _CONFIG + FINGERPRINT_SIZE
+ENVELOPE_SIZE = _CALIBRATION + 2
+#: The calibration of a rank that holds none (off, or nothing counted yet).
+NO_CALIBRATION = (0.0, 0.0)
 
 
 def envelope(
@@ -119,9 +126,11 @@ def envelope(
     rows: int = 0,
     config: EssLrConfig | None,
     origin: int | None = None,
+    calibration: tuple[float, float] = NO_CALIBRATION,
 ) -> torch.Tensor:
     """This rank's envelope row (see :func:`check_envelopes`). ``origin``: with ``failed``,
-    the global rank the fault came from when this rank only relays it (default: this rank)."""
+    the global rank the fault came from when this rank only relays it (default: this rank).
+    ``calibration``: the (count, sum of rho) this rank holds, see :func:`agreed_calibration`."""
     out = torch.zeros(ENVELOPE_SIZE, dtype=torch.float64)
     out[_ERROR] = float(failed)
     out[_MISSING] = float(missing)
@@ -131,7 +140,10 @@ def envelope(
         out[_RANK] = float(origin)
     if config is not None:
         out[_HAS_CONFIG] = 1.0
-        out[_HAS_CONFIG + 1 :] = torch.tensor(config.fingerprint(), dtype=torch.float64)
+        out[_CONFIG:_CALIBRATION] = torch.tensor(config.fingerprint(), dtype=torch.float64)
+    if calibration != NO_CALIBRATION:  # else zeros already: no extra op without calibration
+        out[_CALIBRATION] = float(calibration[0])
+        out[_CALIBRATION + 1] = float(calibration[1])
     return out
 
 
@@ -166,7 +178,7 @@ def check_envelopes(
         )
         error.ranks = failed  # type: ignore[attr-defined]  # relayed by origin_rank()
         return error
-    configs = [(rank, r[_HAS_CONFIG + 1 :]) for rank, r in zip(ranks, rows, strict=True)]
+    configs = [(rank, r[_CONFIG:_CALIBRATION]) for rank, r in zip(ranks, rows, strict=True)]
     configs = [(rank, fp) for (rank, fp), r in zip(configs, rows, strict=True) if r[_HAS_CONFIG]]
     if len({tuple(fp) for _, fp in configs}) > 1:
         described = {rank: describe_fingerprint(fp) for rank, fp in configs}
@@ -190,6 +202,15 @@ def check_envelopes(
             "pass the same samples (each its own chunk of every sample)"
         )
     return None
+
+
+def agreed_calibration(envelopes: torch.Tensor) -> tuple[float, float]:
+    """The calibration every rank of these envelopes continues from: the most advanced one
+    (most results counted; the first such row on a tie). A rank that restarted, or joined
+    late, so catches up with its peers instead of computing another base ratio."""
+    pairs = envelopes[:, _CALIBRATION:].tolist()
+    count, total = max(pairs, key=lambda pair: pair[0])  # max keeps the first of equals
+    return (count, total)
 
 
 def origin_rank(error: BaseException) -> int:

@@ -12,7 +12,8 @@ __all__ = ["ENCODED_SIZE", "STATUSES", "UNMEASURED", "EssLrResult", "check_scale
 #: missing: some rank lacked the log-prob inputs: no-op on every rank.
 #: nonfinite: a NaN/inf log-ratio with the "floor" policy: fail closed to the floor.
 #: manual: armed from a bare float by the caller.
-STATUSES = ("ok", "no_valid", "missing", "nonfinite", "manual")
+#: calibrating: measured, one of the first ``calibrate_rollouts`` results: scale 1.
+STATUSES = ("ok", "no_valid", "missing", "nonfinite", "manual", "calibrating")
 #: The statuses of a rollout that nothing was measured on (its metrics say so).
 UNMEASURED = ("no_valid", "missing")
 
@@ -42,6 +43,9 @@ class EssLrResult:
         num_empty: trajectories with no masked token (left out of the sums and of B).
         num_nonfinite: trajectories whose log-ratio was NaN/inf.
         status: one of ``STATUSES``.
+        calibrated_ratio: what rho was divided by, when calibration chose it (``base_ratio``
+            x the mean rho of the first ``calibrate_rollouts`` results); 0.0: not calibrated
+            (none asked for, or still calibrating: the configured ``base_ratio`` applies).
     """
 
     scale: float
@@ -51,6 +55,7 @@ class EssLrResult:
     num_empty: int = 0
     num_nonfinite: int = 0
     status: str = "ok"
+    calibrated_ratio: float = 0.0
 
     @classmethod
     def noop(cls, status: str, *, num_empty: int = 0) -> EssLrResult:
@@ -76,16 +81,23 @@ class EssLrResult:
         """Metrics for the host framework's train-step logging (keys without ``train/``).
 
         An unmeasured rollout (:attr:`measured` False) gives only ``{"ess_lr_measured": 0.0}``:
-        no ``lr_scale`` / ``rho_ess`` / ``ess`` that would look measured."""
+        no ``lr_scale`` / ``rho_ess`` / ``ess`` that would look measured. With calibration:
+        ``ess_lr_calibrating`` (1.0) while calibrating, then ``ess_lr_base_ratio``."""
         if not self.measured:
             return {"ess_lr_measured": 0.0}
-        return {
+        out = {
             "lr_scale": self.scale,
             "rho_ess": self.rho,
             "ess": self.ess,
             "ess_num_trajectories": float(self.num_trajectories),
             "ess_num_nonfinite": float(self.num_nonfinite),
         }
+        # only with calibration on: a run without it logs exactly what it logged before
+        if self.status == "calibrating":
+            out["ess_lr_calibrating"] = 1.0
+        if self.calibrated_ratio > 0.0:
+            out["ess_lr_base_ratio"] = self.calibrated_ratio
+        return out
 
     def encode(self) -> list[float]:
         """The result as floats (one per field, the status as its index in ``STATUSES``), for

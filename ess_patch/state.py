@@ -62,6 +62,9 @@ class _EssState:
     ledger_run: Any = None
     ledger: list = field(default_factory=list)
     ledger_error: BaseException | None = None
+    # calibrate_rollouts: (results counted so far, sum of their rho), the same on every rank
+    # that computes (calibration.py); reset() starts a new calibration
+    calibration: tuple[float, float] = (0.0, 0.0)
 
 
 STATE = _EssState()
@@ -98,6 +101,7 @@ def reset() -> None:
     STATE.ledger_run = None
     STATE.ledger = []
     STATE.ledger_error = None
+    STATE.calibration = (0.0, 0.0)
 
 
 def arm(result_or_scale: EssLrResult | float) -> EssLrResult:

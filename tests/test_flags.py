@@ -40,6 +40,7 @@ FLAGS = EssLrConfig(
     nonfinite="floor",
     granularity="step",
     weight_clip=3.0,
+    calibrate_rollouts=3,
 )
 FLAG_ARGV = [
     "--ess-lr-floor=0.2",
@@ -49,6 +50,7 @@ FLAG_ARGV = [
     "--ess-lr-nonfinite=floor",
     "--ess-lr-granularity=step",
     "--ess-lr-weight-clip=3",
+    "--ess-lr-calibrate-rollouts=3",
 ]
 ENV = {
     "ESS_LR_FLOOR": "0.4",
@@ -58,6 +60,7 @@ ENV = {
     "ESS_LR_NONFINITE": "floor",
     "ESS_LR_GRANULARITY": "step",
     "ESS_LR_WEIGHT_CLIP": "5",
+    "ESS_LR_CALIBRATE_ROLLOUTS": "5",
 }
 FROM_ENV = EssLrConfig(
     floor=0.4,
@@ -67,6 +70,7 @@ FROM_ENV = EssLrConfig(
     nonfinite="floor",
     granularity="step",
     weight_clip=5.0,
+    calibrate_rollouts=5,
 )
 
 

@@ -75,5 +75,8 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
     print(f"{result.num_rollouts} rollouts; scale < 1 = ESS-LR would brake that rollout's LR")
     print(result.table)
+    if result.advice is not None:
+        print("\nWhich weights for this run (docs/which-weights.md):")
+        print("\n".join(f"  {line}" for line in result.advice.lines))
     print(f"outputs in {result.out_dir.resolve()}")
     return 0

@@ -1,8 +1,9 @@
 """Per rollout and per setting: rho, ESS and the scale ESS-LR would have applied.
 
 Outputs, all inside the ``out`` folder (fixed names, nothing else is written):
-``per_rollout.csv``, ``summary.md`` (the table also returned), ``summary.json`` and
-``analyze.png`` (rho and scale against rollout, one line per setting).
+``per_rollout.csv``, ``summary.md`` (the table also returned, and which weights suit the run:
+:mod:`.advice`), ``summary.json`` and ``analyze.png`` (rho and scale against rollout, one line
+per setting).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from ..compute import compute_ess_lr
 from ..config import RULES, WEIGHT_MODES, EssLrConfig
+from .advice import Advice, TokenStats, advise, evidence, token_stats
 from .assemble import discover, iter_rollouts
 from .read import DumpError
 
@@ -63,6 +65,7 @@ class AnalyzeResult:
     table: str
     out_dir: Path
     num_rollouts: int
+    advice: Advice | None = None
 
 
 def analyze(
@@ -85,6 +88,8 @@ def analyze(
     groups = discover([Path(p) for p in paths])
     tick = progress(len(groups)) if progress is not None else (lambda: None)
     rows: list[dict] = []
+    stats: list[TokenStats] = []
+    advice_scales: dict[str, list[float]] = {mode: [] for mode in WEIGHT_MODES}
     if out.exists() and not out.is_dir():  # before the work, not after it
         raise DumpError(f"{out}: --out names an existing file; give a folder (new or existing)")
     for rollout in iter_rollouts(groups):
@@ -111,16 +116,27 @@ def analyze(
                     "status": r.status,
                 }
             )
+        stats.append(token_stats(rollout.log_probs, rollout.rollout_log_probs, rollout.loss_masks))
+        for mode, scales in advice_scales.items():  # the default rule, whatever was asked
+            config = EssLrConfig(weight_mode=mode, nonfinite="floor")
+            r = compute_ess_lr(
+                rollout.log_probs, rollout.rollout_log_probs, rollout.loss_masks, config=config
+            )
+            scales.append(r.scale)
         tick()
     summary = _summarize(rows, settings)
     table = _table(summary)
+    advice = advise(evidence(stats, advice_scales["geometric"], advice_scales["product"]))
     out_dir = _prepare_out(Path(out))
     _write_csv(out_dir / "per_rollout.csv", rows)
-    (out_dir / "summary.md").write_text(table + "\n")
+    advice_md = "\n".join(f"- {line}" for line in advice.lines)
+    (out_dir / "summary.md").write_text(
+        f"{table}\n\n## Which weights for this run\n\n{advice_md}\n"
+    )
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if figure:
         _figure(out_dir / "analyze.png", rows, settings)
-    return AnalyzeResult(rows, summary, table, out_dir, len(groups))
+    return AnalyzeResult(rows, summary, table, out_dir, len(groups), advice)
 
 
 def _prepare_out(out: Path) -> Path:
