@@ -123,10 +123,8 @@ def test_an_unknown_keyword_is_the_usual_type_error():
 def test_the_changelog_lists_each_removed_name_with_its_replacement():
     text = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
     removed = text.split("### Removed", 1)[1].split("\n## ", 1)[0]
-    rows = {
-        m.group(1): m.group(2)
-        for m in re.finditer(r"^\| `(?:ess_patch\.)?(\w+)\((?!\.\.\.).*?\)` \| (.+) \|$", removed, re.M)
-    }
+    row = re.compile(r"^\| `(?:ess_patch\.)?(\w+)\((?!\.\.\.).*?\)` \| (.+) \|$", re.M)
+    rows = {m.group(1): m.group(2) for m in row.finditer(removed)}
     rows.update(
         {
             kw: instead
