@@ -39,6 +39,7 @@ _LAZY = {
     "broadcast_from_last_stage": "reduction",
 }
 
+
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
