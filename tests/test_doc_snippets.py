@@ -19,10 +19,10 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from doc_snippets import (
     PLACEHOLDER,
     ROOT,
