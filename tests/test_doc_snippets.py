@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import tomllib
 from doc_snippets import (
     PLACEHOLDER,
     ROOT,
@@ -38,6 +37,8 @@ from doc_snippets import (
 
 BLOCKS = all_blocks()
 TIMEOUT = 600
+#: commands that already ran to success in this session (several pages show the same line)
+_SUCCEEDED: set[tuple[str, ...]] = set()
 
 
 def _params(lang: str) -> list:
@@ -72,7 +73,10 @@ def _tail(text: str, limit: int = 4000) -> str:
     return text[-limit:]
 
 
-def _run(argv: list[str], *, cwd: Path, env: dict[str, str] | None = None) -> str:
+def _run(argv: list[str], *, cwd: Path, env: dict[str, str] | None = None) -> None:
+    key = (*argv, *sorted((env or {}).items()))
+    if key in _SUCCEEDED:
+        return
     child_env = dict(os.environ)
     child_env.update(env or {})
     proc = subprocess.run(
@@ -82,7 +86,7 @@ def _run(argv: list[str], *, cwd: Path, env: dict[str, str] | None = None) -> st
         f"{' '.join(argv)} exited {proc.returncode}\n--- stderr ---\n{_tail(proc.stderr)}\n"
         f"--- stdout ---\n{_tail(proc.stdout)}"
     )
-    return proc.stdout
+    _SUCCEEDED.add(key)
 
 
 # --- discovery -------------------------------------------------------------------------------
@@ -186,6 +190,8 @@ _PIP_VALUE_OPTIONS = {"--index-url", "-i", "--extra-index-url", "--find-links", 
 
 def _pip(block: Block, args: list[str], run: bool) -> None:
     assert args[:1] == ["install"], f"{block.id}: pip {' '.join(args)}: only install is checked"
+    import tomllib  # Python 3.11+, as tox runs it
+
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"
     ]
