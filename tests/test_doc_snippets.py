@@ -101,6 +101,16 @@ def test_every_documented_file_and_include_is_searched():
     assert sum(b.lang == "python" for b in BLOCKS) >= 5
 
 
+def test_every_readme_link_points_to_a_file():
+    """The README is read on its own (not built by mkdocs): its relative links must resolve."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    targets = re.findall(r"\]\(([^)\s]+)\)", text)
+    local = [t.split("#")[0] for t in targets if not re.match(r"[a-z]+://", t) and t[0] != "#"]
+    assert local
+    missing = sorted(t for t in local if not (ROOT / t).exists())
+    assert not missing, f"README.md links to files that do not exist: {missing}"
+
+
 # --- python ----------------------------------------------------------------------------------
 
 
