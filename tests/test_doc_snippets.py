@@ -166,8 +166,8 @@ def _ess_patch(block: Block, args: list[str], mode: str, tmp: Path, run: bool) -
             pytest.fail(f"{block.id}: ess-patch {' '.join(args)}: the CLI refuses it")
     if not run:
         return
-    if args[:1] == ["demo"] and mode == "default" and "--quick" not in args:
-        args = [*args, "--quick"]
+    if args[:1] == ["demo"] and mode == "default":
+        args = _quick(args)
     argv = [sys.executable, "-m", "ess_patch.cli", *args]
     if args[:1] == ["doctor"] and not _installed():
         # in a bare checkout doctor's one problem is exactly that (exit 1)
@@ -177,6 +177,23 @@ def _ess_patch(block: Block, args: list[str], mode: str, tmp: Path, run: bool) -
         assert all("not installed" in p for p in problems), proc.stdout
         return
     _run(argv, cwd=tmp)
+
+
+#: demo options whose value --quick chooses in the default run (a smoke run, not the study)
+_SIZES = {"--steps", "--seeds", "--lags"}
+
+
+def _quick(args: list[str]) -> list[str]:
+    """The demo command as a smoke run: ``--quick`` added, its sizes left to ``--quick``."""
+    out, skip = [], False
+    for token in args:
+        if skip:
+            skip = False
+        elif token in _SIZES:
+            skip = True
+        elif token.split("=", 1)[0] not in _SIZES:
+            out.append(token)
+    return out if "--quick" in out else [*out, "--quick"]
 
 
 def _installed() -> bool:
