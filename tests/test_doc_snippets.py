@@ -107,7 +107,7 @@ def test_every_readme_link_points_to_a_file():
     targets = re.findall(r"\]\(([^)\s]+)\)", text)
     local = [t.split("#")[0] for t in targets if not re.match(r"[a-z]+://", t) and t[0] != "#"]
     assert local
-    missing = sorted(t for t in local if not (ROOT / t).exists())
+    missing = sorted({t for t in local if not (ROOT / t).exists()})
     assert not missing, f"README.md links to files that do not exist: {missing}"
 
 
