@@ -10,6 +10,7 @@ block needs; ``SETUPS`` below holds the named setups.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shlex
@@ -159,6 +160,23 @@ def ess_settings(tokens: list[str]) -> dict[str, str]:
         hydra = re.fullmatch(r"\+?[\w.]*env_vars\.(ESS_\w+)=(.*)", token)
         if hydra:
             found[hydra.group(1)] = hydra.group(2)
+    return found
+
+
+def vcpo_keys(tokens: list[str]) -> dict[str, object]:
+    """VCPO's ``actor.ess_scaling.<key>=value`` Hydra overrides of a verl command, with the
+    values as YAML reads them (``true``, numbers)."""
+    found: dict[str, object] = {}
+    for token in tokens:
+        match = re.fullmatch(r"\+?[\w.]*actor\.ess_scaling\.(\w+)=(.*)", token)
+        if match:
+            value: object = match.group(2)
+            if value in ("true", "false"):
+                value = value == "true"
+            else:
+                with contextlib.suppress(ValueError):
+                    value = float(value)
+            found[match.group(1)] = value
     return found
 
 

@@ -33,6 +33,7 @@ from doc_snippets import (
     known_variables,
     python_program,
     split_env,
+    vcpo_keys,
 )
 
 BLOCKS = all_blocks()
@@ -154,6 +155,14 @@ def _ess_variables_valid(block: Block, tokens: list[str]) -> None:
     unknown = sorted(set(settings) - known_variables())
     assert not unknown, f"{block.id}: ess-patch reads no variable {unknown}"
     EssLrConfig.from_env({k: v for k, v in settings.items() if k != "ESS_LR_ENABLE"})
+    keys = vcpo_keys(tokens)
+    if keys:  # verl reads them through its real settings(), with the variables beside them
+        from ess_patch.integrations.verl import settings as verl_settings
+
+        try:
+            verl_settings({"ess_scaling": keys}, environ=settings)
+        except ValueError as exc:
+            pytest.fail(f"{block.id}: VCPO's keys {keys} are refused: {exc}")
 
 
 def _ess_patch(block: Block, args: list[str], mode: str, tmp: Path, run: bool) -> None:
@@ -271,6 +280,10 @@ def _local_python(args: list[str]) -> bool:
 
 @pytest.mark.parametrize(("block", "mode"), _params("shell"))
 def test_shell_commands_run(block, mode, tmp_path):
+    _check_shell(block, mode, tmp_path)
+
+
+def _check_shell(block: Block, mode: str, tmp_path: Path) -> None:
     covered = _gate(block)
     code = block.code
     setup = block.options.get("setup")
@@ -301,3 +314,26 @@ def test_shell_commands_run(block, mode, tmp_path):
                 f"{block.id}: {line!r} needs what the default run lacks: name the test that "
                 "runs it (covered-by=PATH)"
             )
+
+
+@pytest.mark.parametrize(
+    ("code", "says"),
+    [
+        ("python train.py --use-ess-lr --ess-lr-floor 2\n", "flags do not parse"),
+        ("ESS_LR_FLOOR=abc torchrun train_rl.py\n", "ESS_LR_FLOOR"),
+        ("ESS_LR_FLOR=0.1 torchrun train_rl.py\n", "reads no variable"),
+        ("python -m x +actor_rollout_ref.actor.ess_scaling.bogus=1\n", "refused"),
+        ("python train.py --use-ess-lr\n", "covered-by=PATH"),
+        ("ess-patch demo --no-such-flag\n", "the CLI refuses it"),
+        ("ess-patch analyze /path/to/dump\n", "placeholder"),
+        ("tox -e nosuchenv\n", "no env"),
+        ("pip install '.[nosuchextra]'\n", "no extra"),
+    ],
+)
+def test_a_drifted_command_fails(code, says, tmp_path):
+    """The checks above catch what drifts: a flag, a variable, a key, a CLI option, an env, an
+    extra, or a command nothing runs (the block is built here, not read from a page)."""
+    block = Block("docs/example.md", 1, "shell", code)
+    with pytest.raises((AssertionError, ValueError, pytest.fail.Exception)) as caught:
+        _check_shell(block, "default", tmp_path)
+    assert says in str(caught.value)
