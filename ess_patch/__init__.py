@@ -12,6 +12,7 @@ Public surface (see README.md)::
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 from .attach import attach, detach
@@ -19,6 +20,7 @@ from .config import EssLrConfig
 from .install import install, installed_targets, is_installed, uninstall
 from .lr import scaled_lr
 from .patching import MissingTargetError
+from .removed import removed_name
 from .result import EssLrResult
 from .state import StepCountError, arm, armed, disarm, exclude, set_role
 
@@ -37,20 +39,6 @@ _LAZY = {
     "broadcast_from_last_stage": "reduction",
 }
 
-# Removed in 0.2.0: one granularity path (a rollout is one step that holds every trajectory).
-_PER_STEP = (
-    "call ess_patch.compute_ess_lr once per optimizer step, over the samples that step trains "
-    "on, and ess_patch.arm(result) before that step (README: 'Per optimizer step')"
-)
-_REMOVED = {
-    "compute_ess_lr_steps": _PER_STEP,
-    "arm_steps": _PER_STEP,
-    "armed_steps": "ess_patch.armed() is the result the coming optimizer step uses",
-    "broadcast_steps_from_last_stage": (
-        "pass pp_group to ess_patch.compute_ess_lr, once per optimizer step"
-    ),
-}
-
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
@@ -59,11 +47,9 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value
         return value
-    if name in _REMOVED:
-        raise AttributeError(
-            f"ess_patch.{name} was removed in ess-patch 0.2.0 (one granularity path): "
-            f"{_REMOVED[name]}"
-        )
+    error = removed_name(sys.modules[__name__], name)
+    if error is not None:  # a name removed since 0.1.0: say what replaces it
+        raise error
     raise AttributeError(f"module 'ess_patch' has no attribute {name!r}")
 
 

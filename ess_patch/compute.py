@@ -22,6 +22,7 @@ from .reduction import (
     group_size,
     origin_rank,
 )
+from .removed import removed_keyword
 from .result import ENCODED_SIZE, EssLrResult
 from .state import STATE
 
@@ -39,6 +40,7 @@ def compute_ess_lr(
     dp_group: object | None = None,
     pp_group: object | None = None,
     error: BaseException | None = None,
+    **removed: object,
 ) -> EssLrResult:
     """ESS, rho and LR scale of one rollout, identical on every rank.
 
@@ -75,6 +77,9 @@ def compute_ess_lr(
             ``error``, and every peer raises
             :class:`~ess_patch.estimator.InvalidInputsElsewhereError` (in a single process it
             is raised at once).
+        **removed: nothing is accepted here; a keyword removed since 0.1.0
+            (``prepare_masks=``) raises :class:`~ess_patch.removed.RemovedKeywordError` (a
+            ``TypeError``) saying what to do instead, any other the usual ``TypeError``.
 
     A rank whose ``log_probs`` or ``rollout_log_probs`` is None has missing inputs: it
     still enters every collective and every rank returns the no-op (``status="missing"``).
@@ -103,11 +108,13 @@ def compute_ess_lr(
     trains on, on every rank, and ``arm`` its result before that step; ``install()``'s
     integrations do so inside the policy loss.
 
-    Without ``pp_group``, only the ranks of one pipeline stage meet here: the README's
-    lower-level pattern (the last stage calls this, every stage then calls
+    Without ``pp_group``, only the ranks of one pipeline stage meet here: the lower-level
+    pattern (the last stage calls this, every stage then calls
     :func:`~ess_patch.reduction.broadcast_from_last_stage` with ``error=`` what this raised)
     covers faults of the last stage only; prefer ``pp_group``.
     """
+    if removed:  # as Python would, at once, but naming the replacement of a removed keyword
+        raise removed_keyword("compute_ess_lr", removed)
     config, config_error = _checked_config(config)
     error = error if error is not None else config_error
     if pp_group is not None:

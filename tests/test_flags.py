@@ -112,7 +112,7 @@ def test_one_option_per_field_not_given_by_default():
 def test_precedence_through_install(argv, env, expected, clean_ess, no_ess_env):
     for key, value in env.items():
         no_ess_env.setenv(key, value)
-    ess_patch.install("megatron")  # the README's path: install() reads ESS_LR_*
+    ess_patch.install("megatron")  # the documented path: install() reads ESS_LR_*
     assert config_from_args(_parse(["--use-ess-lr", *argv])) == expected
 
 

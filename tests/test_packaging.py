@@ -55,3 +55,19 @@ def test_doctor_and_install_read_the_versions_pyproject_declares():
     ranges = {str(r.specifier) for r in megatron if "==" not in str(r.specifier)}
     expected = str(Requirement("megatron-core" + INTEGRATIONS["megatron"].supported).specifier)
     assert ranges == {expected}
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="tomllib is Python 3.11+")
+def test_the_description_names_every_supported_framework():
+    """pip show / an index page tell a user which frameworks ess-patch serves: every component
+    of the registry, by the name its docs page uses."""
+    import tomllib
+
+    from ess_patch.integrations.registry import COMPONENTS
+
+    with open(TESTS.parent / "pyproject.toml", "rb") as f:
+        project = tomllib.load(f)["project"]
+    shown = {"megatron": "megatron-core", "megatron_rl": "Megatron-RL"}
+    for row in COMPONENTS:
+        assert shown.get(row.name, row.name) in project["description"], row.name
+    assert project["classifiers"] and project["keywords"]

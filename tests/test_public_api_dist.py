@@ -1,4 +1,4 @@
-"""The README's one call per rollout, ``compute_ess_lr(..., pp_group=)``, on every rank.
+"""The documented one call per rollout, ``compute_ess_lr(..., pp_group=)``, on every rank.
 
 Real gloo process groups (DP2 x CP2 x PP2, and PP3 for a middle stage). Non-last pipeline
 stages pass no log-probs. Healthy: every rank returns the float64 reference's scale over
@@ -82,7 +82,7 @@ def rank_public_api(faulty_ranks: list[int]):
 
 
 def _lowlevel(lay, groups):
-    """The README's lower-level pattern with a NaN on the last stage's first rank."""
+    """The documented lower-level pattern with a NaN on the last stage's first rank."""
     lp, rlp, mask, config = _inputs(lay, False, None)
     last = lay.pp_rank == lay.pp_size - 1
     if last and lay.dp_rank == 0 and lay.cp_rank == 0:

@@ -165,7 +165,7 @@ def test_settings_come_from_the_flags_else_from_install(clean_ess, monkeypatch):
 
 def test_a_fork_with_some_ess_flags_gets_the_rest():
     """A host that defines --ess-lr-floor itself (and no --use-ess-lr): ours are added around
-    it, the host's own floor option is kept, and the README's launch line parses."""
+    it, the host's own floor option is kept, and the documented launch line parses."""
     parser = argparse.ArgumentParser(prog="train.py")
     parser.add_argument("--ess-lr-floor", type=float, default=0.25)
     add_ess_arguments(parser)

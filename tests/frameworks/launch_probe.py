@@ -1,4 +1,4 @@
-"""The README's launch on ONE snapshot's real code, in a fresh process (test_launch.py runs
+"""The documented launch on ONE snapshot's real code, in a fresh process (test_launch.py runs
 ``report(FRAMEWORK, SNAPSHOT_FOLDER, CASES)`` there with ``fresh_python``, ``ESS_LR_*`` set).
 
 Does what a user's ``train.py`` does: ``import ess_patch; ess_patch.install()`` (every
@@ -153,7 +153,7 @@ def report(fw: str, folder: str, cases: dict) -> dict:
     use_snapshot(fw, folder, "full")
     import ess_patch
 
-    ess_patch.install()  # the README's recipe: every integration, before the framework
+    ess_patch.install()  # the documented recipe: every integration, before the framework
     from ess_patch.install import INSTALLATION, failed_integrations
 
     out: dict = {"integrations": sorted(INSTALLATION.patches or {})}

@@ -1,4 +1,4 @@
-"""The README's launch on every miles and slime snapshot (``upstream.snapshots()``), on the
+"""The documented launch on every miles and slime snapshot (``upstream.snapshots()``), on the
 Megatron tree it runs on (``MEGATRON_LM_SRC``: megatron-lm-2e64d788b, which has megatron/rl):
 ``import ess_patch; ess_patch.install()`` with every integration, in a fresh interpreter,
 then the framework's real ``parse_args`` (``launch_probe.report`` through ``fresh_python``).
@@ -136,7 +136,7 @@ def _config(result: dict) -> dict:
 @pytest.mark.parametrize(("fw", "folder"), _params())
 def test_the_settings_reach_the_hook_with_one_precedence(fw, folder, reports):
     report = reports(fw, folder)
-    # the README's install(): every integration, Megatron-RL's included, and none rolled back
+    # the documented install(): every integration, Megatron-RL's included, and none rolled back
     assert "megatron_rl" in report["integrations"] and fw in report["integrations"]
     assert report["failed"] == {}
     env, plain = report["env"], report["plain"]
