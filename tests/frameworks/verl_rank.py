@@ -51,6 +51,16 @@ def _import_verl(src: str) -> None:
         transformers.AutoModelForVision2Seq = transformers.AutoModelForImageTextToText
     if not hasattr(torch.cpu, "empty_cache"):
         torch.cpu.empty_cache = lambda: None
+    for name in ("max_memory_allocated", "max_memory_reserved"):  # verl >= 0.8 logs them
+        if not hasattr(torch.cpu, name):
+            setattr(torch.cpu, name, lambda: 0)
+
+
+def has_legacy_actor() -> bool:
+    """Whether the imported verl still has the legacy Megatron actor (gone since v0.8.0)."""
+    from importlib.util import find_spec
+
+    return find_spec("verl.workers.actor") is not None
 
 
 def composed(src: str, overrides: list[str]) -> Any:
@@ -77,18 +87,22 @@ def _install(scenario: dict) -> None:
         return
     from verl.utils import config
     from verl.workers import engine_workers
-    from verl.workers.actor import dp_actor, megatron_actor
 
     from ess_patch.vendored import is_vendored
 
     decorated = [
-        vars(megatron_actor.MegatronPPOActor)["update_policy"],
-        vars(megatron_actor.MegatronPPOActor)["make_minibatch_iterator"],
         vars(engine_workers.ActorRolloutRefWorker)["update_actor"],
         vars(engine_workers.TrainingWorker)["train_batch"],
-        vars(dp_actor.DataParallelPPOActor)["update_policy"],
         config.omega_conf_to_dataclass,
     ]
+    if has_legacy_actor():  # verl < 0.8: the legacy actors are patched too
+        from verl.workers.actor import dp_actor, megatron_actor
+
+        decorated += [
+            vars(megatron_actor.MegatronPPOActor)["update_policy"],
+            vars(megatron_actor.MegatronPPOActor)["make_minibatch_iterator"],
+            vars(dp_actor.DataParallelPPOActor)["update_policy"],
+        ]
     assert all(is_vendored(f) for f in decorated), "the tree is not patched"
     assert not ess_patch.is_installed()
 
@@ -349,6 +363,7 @@ def run_engine(src: str, scenario: dict) -> dict:
     from megatron_cpu import build_megatron_optimizer
     from omegaconf import OmegaConf
     from verl.utils import tensordict_utils as tu
+    from verl.utils.profiler import DistProfiler
     from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
     from ess_patch.demo.cpu import megatron_on_cpu
@@ -368,9 +383,11 @@ def run_engine(src: str, scenario: dict) -> dict:
                 micro_batch_size_per_gpu=2,
                 use_fused_kernels=False,
             ),
-            model_config=SimpleNamespace(use_remove_padding=True),
+            # verl < 0.8 reads model_config.use_remove_padding, later .get("use_remove_padding")
+            model_config=OmegaConf.create({"use_remove_padding": True}),
             device_name="cpu",
             flops_counter=SimpleNamespace(estimate_flops=lambda *_a, **_k: (0.0, 1.0)),
+            profiler=DistProfiler(rank=dp_rank, config=None),  # verl's own, disabled
         )
         return worker
 
@@ -403,6 +420,7 @@ def run_engine(src: str, scenario: dict) -> dict:
         vars(worker).update(
             actor=trainer(actor_setup, seen),
             config=OmegaConf.create({"actor": _config(scenario, src)}),
+            enable_routing_replay=False,  # read by update_actor's decorator since v0.8
         )
         applied: list = []
         _lr_recorder(actor_setup.optimizer, applied)
@@ -465,20 +483,21 @@ def other_backends_probe(src: str) -> dict:
     import ess_patch
 
     ess_patch.install("verl")
-    from verl.workers.actor.dp_actor import DataParallelPPOActor
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
     out: dict[str, Any] = {}
-    actor = object.__new__(DataParallelPPOActor)
-    vars(actor).update(config=OmegaConf.create({"strategy": "fsdp"}))
     worker = object.__new__(ActorRolloutRefWorker)
     vars(worker).update(actor=object(), config=OmegaConf.create({"actor": {"strategy": "fsdp"}}))
+    calls = [("engine", lambda: worker.update_actor(None))]
+    if has_legacy_actor():
+        from verl.workers.actor.dp_actor import DataParallelPPOActor
+
+        actor = object.__new__(DataParallelPPOActor)
+        vars(actor).update(config=OmegaConf.create({"strategy": "fsdp"}))
+        calls.append(("fsdp", lambda: actor.update_policy(None)))
     for enable in ("1", "0"):
         os.environ["ESS_LR_ENABLE"] = enable
-        for name, call in (
-            ("fsdp", lambda: actor.update_policy(None)),
-            ("engine", lambda: worker.update_actor(None)),
-        ):
+        for name, call in calls:
             try:
                 call()
             except Exception as exc:
