@@ -577,6 +577,9 @@ class _Method(Feature):
         import importlib
         import inspect
 
+        gone = _Module(self.module).missing()
+        if gone is not None:
+            return gone
         holder: Any = importlib.import_module(self.module)
         for part in self.symbol.split("."):
             holder = getattr(holder, part, None)
@@ -587,6 +590,14 @@ class _Method(Feature):
         if lacking:
             return f"{self.module}.{self.symbol} has no parameter {', '.join(lacking)}"
         return None
+
+
+@dataclass(frozen=True)
+class _Gone(_Module):
+    """A module that does NOT exist (the legacy actor, removed in verl v0.8.0)."""
+
+    def missing(self) -> str | None:
+        return None if super().missing() is not None else f"module {self.module} exists"
 
 
 _ENGINE_FEATURES = (
@@ -639,6 +650,9 @@ VERL_HISTORY = History(
                     "MegatronPPOActor.update_policy(dataloader) over make_minibatch_iterator(data)",
                     "v0.7.0 to @b178a3cd5",
                     _LEGACY_FEATURES,
+                ),
+                Shape(
+                    "none (removed in v0.8.0)", f"v0.8.0 to main @{SNAPSHOT[:9]}", (_Gone(_ACTOR),)
                 ),
             ),
             when=(_ACTOR,),

@@ -400,3 +400,61 @@ def test_fsdp_actor_and_engine_are_refused_while_on_and_untouched_while_off(tmp_
         assert r[f"{name}_1"].startswith("NotImplementedError"), r[f"{name}_1"]
         assert "strategy 'fsdp' is not supported" in r[f"{name}_1"]
         assert not r[f"{name}_0"].startswith("NotImplementedError")  # verl's own error
+
+
+def _recipe_rank(src: str) -> dict:
+    sys.path.insert(0, str(HERE))
+    import verl_rank
+
+    return verl_rank.recipe_probe(src)
+
+
+@pytest.mark.parametrize("src", SNAPSHOTS, ids=[p.name for p in SNAPSHOTS])
+def test_the_documented_recipe_reaches_every_ray_actor(tmp_path, src):
+    """docs/frameworks/verl.md's command-line block, composed by verl's own Hydra config and
+    merged as ``main_ppo.run_ppo`` merges it for ``ray.init``: the ESS variables are in the
+    runtime environment every Ray actor starts with, VCPO's keys on the actor's node."""
+    (r,) = run_ranks(_recipe_rank, args=(str(src),), tmp_path=tmp_path, timeout=240)
+    assert {
+        "ESS_PATCH_AUTO_INSTALL": "1",
+        "ESS_PATCH_INTEGRATIONS": "verl",
+        "ESS_LR_ENABLE": "1",
+        "ESS_LR_FLOOR": "0.1",
+    }.items() <= {k: str(v) for k, v in r["env_vars"].items()}.items()
+    assert r["ess_scaling"] == {"enable": True, "scaling_rule": "sqrt"}
+    assert r["calculate_log_probs"] is True
+
+
+def _probe(name: str, *args: str) -> dict:
+    sys.path.insert(0, str(HERE))
+    import verl_rank
+
+    return getattr(verl_rank, name)(*args)
+
+
+@on_newest
+def test_a_verl_newer_than_any_known_shape_is_refused_by_name(tmp_path, src):
+    """``train_batch`` without ``data``: install() refuses with the parameter and the supported
+    releases named; nothing of verl stays patched."""
+    (r,) = run_ranks(_probe, args=("engine_missing_probe", str(src)), tmp_path=tmp_path)
+    assert r["parameter"].startswith("MissingTargetError"), r["parameter"]
+    assert "TrainingWorker.train_batch has no parameter data" in r["parameter"]
+    assert "Supported: verl v0.7.0 (2026-01-05) to main @1dda039b9" in r["parameter"]
+    assert (r["installed"], r["targets"]) == (False, [])
+
+
+@on_newest
+def test_a_verl_with_neither_actor_path_is_told_the_supported_releases(tmp_path, src):
+    """No engine_workers and no legacy actor: one logged line naming the supported releases
+    when verl.workers is imported; verl stays unpatched (install()'s late-import rule)."""
+    import shutil
+
+    tree = tmp_path / "verl-neither"
+    shutil.copytree(src / "verl", tree / "verl", ignore=shutil.ignore_patterns("__pycache__"))
+    (tree / "verl" / "workers" / "engine_workers.py").unlink()
+    (r,) = run_ranks(_probe, args=("neither_probe", str(tree)), tmp_path=tmp_path / "run")
+    assert "module verl.workers.engine_workers does not exist" in r["failure"]
+    assert "Supported: verl v0.7.0 (2026-01-05) to main @1dda039b9" in r["failure"]
+    assert len(r["logged"]) == 1 and "\n" not in r["logged"][0]  # one line, on every rank
+    assert r["failure"] in r["logged"][0]
+    assert r["targets"] == []  # verl.utils.config imported after it: not wrapped either

@@ -503,3 +503,88 @@ def other_backends_probe(src: str) -> dict:
             except Exception as exc:
                 out[f"{name}_{enable}"] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+#: the recipe of docs/frameworks/verl.md, as verl's command line takes it
+RECIPE = [
+    "actor_rollout_ref.rollout.calculate_log_probs=True",
+    "+ray_kwargs.ray_init.runtime_env.env_vars.ESS_PATCH_AUTO_INSTALL=1",
+    "+ray_kwargs.ray_init.runtime_env.env_vars.ESS_PATCH_INTEGRATIONS=verl",
+    "+ray_kwargs.ray_init.runtime_env.env_vars.ESS_LR_ENABLE=1",
+    "+ray_kwargs.ray_init.runtime_env.env_vars.ESS_LR_FLOOR=0.1",
+    "+actor_rollout_ref.actor.ess_scaling.enable=true",
+    "+actor_rollout_ref.actor.ess_scaling.scaling_rule=sqrt",
+]
+
+
+def recipe_probe(src: str) -> dict:
+    """The recipe through verl's own config, and the runtime environment ``main_ppo.run_ppo``
+    hands ``ray.init`` (its two lines, with verl's own ``get_ppo_ray_runtime_env``: importing
+    ``main_ppo`` itself needs torchdata, which the frameworks tier does not install): what
+    every Ray actor's environment gets, and the actor's ``ess_scaling`` node."""
+    import inspect
+
+    _import_verl(src)
+    from omegaconf import OmegaConf
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+    config = composed(src, RECIPE)
+    takes_config = "config" in inspect.signature(get_ppo_ray_runtime_env).parameters
+    default = get_ppo_ray_runtime_env(config) if takes_config else get_ppo_ray_runtime_env()
+    ray_init_kwargs = config.ray_kwargs.get("ray_init", {})
+    runtime_env = OmegaConf.merge(default, ray_init_kwargs.get("runtime_env", {}))
+    return {
+        "env_vars": OmegaConf.to_container(runtime_env)["env_vars"],
+        "ess_scaling": OmegaConf.to_container(config.actor_rollout_ref.actor.ess_scaling),
+        "calculate_log_probs": config.actor_rollout_ref.rollout.calculate_log_probs,
+    }
+
+
+def engine_missing_probe(src: str) -> dict:
+    """A verl newer than any known shape: ``TrainingWorker.train_batch`` without its ``data``
+    parameter. What install() says, and that nothing of verl stays patched."""
+    _import_verl(src)
+    from verl.workers.engine_workers import TrainingWorker
+
+    import ess_patch
+    from ess_patch.install import installed_targets
+
+    out: dict[str, Any] = {}
+
+    def train_batch(self, batch):  # renamed parameter
+        return None
+
+    original = vars(TrainingWorker)["train_batch"]
+    TrainingWorker.train_batch = train_batch
+    try:
+        ess_patch.install("verl")
+    except Exception as exc:
+        out["parameter"] = f"{type(exc).__name__}: {exc}"
+    out["installed"], out["targets"] = ess_patch.is_installed(), installed_targets()
+    TrainingWorker.train_batch = original
+    return out
+
+
+def neither_probe(tree: str) -> dict:
+    """A verl with neither the engine path nor the legacy actor (``tree``: a copy without
+    them), imported after install(): what is logged and recorded, and what stays patched.
+    (A host's import never fails because of ess-patch: the integration is rolled back.)"""
+    import logging
+
+    _import_verl(tree)
+    import ess_patch
+    from ess_patch.install import failed_integrations, installed_targets
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("ess_patch").addHandler(handler)
+    ess_patch.install("verl")
+    import verl.utils.config
+    import verl.workers  # noqa: F401
+
+    return {
+        "failure": failed_integrations().get("verl", ""),
+        "logged": [r for r in records if "verl" in r],
+        "targets": [t for t in installed_targets() if t.startswith("verl")],
+    }
