@@ -301,30 +301,6 @@ def test_vcpo_keys_through_verls_hydra_config(tmp_path, src):
     assert "ESS_LR_WEIGHT_CLIP" in r["clip_without_threshold"]
 
 
-def _engine_rank(src: str, scenario: dict) -> dict:
-    sys.path.insert(0, str(HERE))
-    import verl_rank
-
-    return verl_rank.run_engine(src, scenario)
-
-
-@pytest.mark.parametrize("src", SNAPSHOTS, ids=[p.name for p in SNAPSHOTS])
-def test_engine_path_each_step_uses_its_mini_batch_scale_dp2(tmp_path, src):
-    """The engine path (use_legacy_worker_impl=disable): verl's real update_actor ->
-    train_mini_batch -> train_batch; each engine optimizer step at its mini-batch's scale,
-    lr_scale in the step metrics (the driver prefixes actor/), the critic's TrainingWorker
-    unscaled."""
-    scenario = {"env": {"ESS_LR_ENABLE": "1", "ESS_LR_FLOOR": "0.05"}, "shuffle": True}
-    results = run_ranks(
-        _engine_rank, dp=2, args=(str(src), scenario), tmp_path=tmp_path, timeout=240
-    )
-    expected = _expected_scales(results, floor=0.05)
-    assert len(expected) == 2
-    for r in results:
-        r["metrics"] = {"actor/" + k: v for k, v in r.get("metrics", {}).items()}
-    _check_applied(results, expected)
-
-
 @pytest.mark.parametrize(("dp", "pp"), [(2, 1), (2, 2)])
 @on_legacy
 def test_a_nan_on_one_rank_raises_on_every_rank_before_any_update(tmp_path, src, dp, pp):
@@ -363,26 +339,6 @@ def test_a_verl_without_the_hooked_symbols_is_refused_by_name(tmp_path, src):
     assert "Supported: verl v0.7.0" in r["missing"]
     assert (r["installed"], r["targets"]) == (False, [])
     assert "update_policy has no parameter dataloader" in r["parameter"]
-
-
-@on_newest
-def test_engine_path_rollout_granularity(tmp_path, src):
-    """ESS_LR_GRANULARITY=rollout on the engine path: the ESS over the whole batch
-    update_actor got (every DP rank), for each engine step."""
-    env = {"ESS_LR_ENABLE": "1", "ESS_LR_GRANULARITY": "rollout", "ESS_LR_FLOOR": "0.05"}
-    results = run_ranks(
-        _engine_rank, dp=2, args=(str(src), {"env": env}), tmp_path=tmp_path, timeout=240
-    )
-    batch = _batch()
-    whole = reference_ess(
-        [x.double() for x in batch["old_log_probs"]],
-        [x.double() for x in batch["rollout_log_probs"]],
-        list(batch["mask"]),
-        floor=0.05,
-    )
-    for r in results:
-        r["metrics"] = {"actor/" + k: v for k, v in r.get("metrics", {}).items()}
-    _check_applied(results, [whole, whole])
 
 
 def _backends_rank(src: str) -> dict:

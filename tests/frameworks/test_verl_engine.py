@@ -99,7 +99,7 @@ def test_each_tree_on_its_megatron_core(tmp_path, name):
     _tree(name)  # installs the wheel here, once, or skips
     env = {**child_env(_core(name)), ENV_INNER: name, "OMP_NUM_THREADS": "1"}
     args = ["-m", "not slow", "-k", f"{name} and not test_each_tree_on_its_megatron_core"]
-    passed, skipped, tail = run_pytest(Path(__file__), env, tmp_path, extra_args=args)
+    passed, skipped, tail = run_pytest(Path(__file__), env, tmp_path, timeout=3000, extra_args=args)
     assert passed and not skipped, tail
     assert all(name in case for case in passed), passed
     expected = 1 + (2 + 1 + 1 + 3 if name in FULL else 0)
@@ -121,8 +121,10 @@ def _run(tmp_path: Path, tree: Path, scenario: dict, *, dp=2, cp=1, pp=1) -> lis
         pp=pp,
         args=(str(tree), scenario),
         tmp_path=tmp_path / "ranks",
-        timeout=300,
-        collective_timeout=150,
+        # each rank imports verl's engine (datasets, ray, transformers, peft): minutes on a
+        # loaded 2-core machine
+        timeout=600,
+        collective_timeout=300,
     )
     if os.environ.get(ENV_INNER):  # the fresh interpreter really runs the core it was given
         from megatron.core import package_info

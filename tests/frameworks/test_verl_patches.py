@@ -18,7 +18,6 @@ from test_verl import (
     SKIP,
     SNAPSHOTS,
     _check_applied,
-    _engine_rank,
     _expected_scales,
     _rank,
     has_legacy_actor,
@@ -82,12 +81,25 @@ def test_patched_legacy_actor_scales_each_step_without_install(patched, tmp_path
     _check_applied(results, _expected_scales(results, floor=0.05))
 
 
+def _engine_rank(src: str, scenario: dict) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import verl_engine_rank
+
+    return verl_engine_rank.run(src, scenario)
+
+
 def test_patched_engine_path_scales_each_step_without_install(patched, tmp_path):
+    """verl's real Megatron engine path (verl_engine_rank.py) on the patched copy, with the
+    environment's megatron-core."""
+    pytest.importorskip("peft", reason="verl's Megatron engine module imports peft")
     scenario = {"env": {"ESS_LR_ENABLE": "1", "ESS_LR_FLOOR": "0.05"}, "vendored": True}
     results = run_ranks(
-        _engine_rank, dp=2, args=(str(patched), scenario), tmp_path=tmp_path / "run", timeout=240
+        _engine_rank, dp=2, args=(str(patched), scenario), tmp_path=tmp_path / "run", timeout=300
     )
     expected = _expected_scales(results, floor=0.05)
+    assert len(expected) == 2 and all(e["scale"] < 1 for e in expected)
     for r in results:
-        r["metrics"] = {"actor/" + k: v for k, v in r.get("metrics", {}).items()}
-    _check_applied(results, expected)
+        for lrs, e in zip(r["applied"], expected, strict=True):
+            assert lrs == pytest.approx([lr * e["scale"] for lr in r["scheduled"]], rel=1e-9)
+        assert r["armed_after"] is None and r["after"] == r["scheduler_after"]
+        assert all(lrs == r["critic_scheduled"] for lrs in r["critic_applied"])
