@@ -414,3 +414,18 @@ def test_a_verl_with_neither_actor_path_is_told_the_supported_releases(tmp_path,
     assert len(r["logged"]) == 1 and "\n" not in r["logged"][0]  # one line, on every rank
     assert r["failure"] in r["logged"][0]
     assert r["targets"] == []  # verl.utils.config imported after it: not wrapped either
+
+
+@pytest.mark.parametrize("src", [*LEGACY[:1], *NEWEST], ids=lambda p: p.name)
+def test_doctor_names_the_supported_releases_and_the_path_used(tmp_path, src):
+    (r,) = run_ranks(_probe, args=("doctor_probe", str(src)), tmp_path=tmp_path, timeout=240)
+    assert r["problems"] == []
+    assert "supported: verl v0.7.0 (2026-01-05) to main @1dda039b9 (2026-08-22)" in "\n".join(
+        r["lines"]
+    )
+    (shape,) = [line for line in r["lines"] if line.startswith("shape: verl: ")]
+    if has_legacy_actor(src):
+        assert "actor through the legacy Megatron actor and the engine path" in shape
+    else:
+        assert "actor through the engine path (no legacy actor)" in shape
+        assert "legacy actor none (removed in v0.8.0)" in shape

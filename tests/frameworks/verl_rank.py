@@ -448,3 +448,13 @@ def neither_probe(tree: str) -> dict:
         "logged": [r for r in records if "verl" in r],
         "targets": [t for t in installed_targets() if t.startswith("verl")],
     }
+
+
+def doctor_probe(src: str) -> dict:
+    """``ess-patch doctor``'s verl section on this tree: its lines and its problems."""
+    _import_verl(src)
+    from ess_patch.doctor import collect
+
+    report = collect()
+    lines = [line for key, value in report.sections.items() if "verl" in key for line in value]
+    return {"lines": lines, "problems": [p for p in report.problems if "verl" in p]}
