@@ -75,7 +75,7 @@ SNAPSHOTS = verl_snapshots()
 LEGACY = [p for p in SNAPSHOTS if has_legacy_actor(p)]
 #: the newest snapshot (by its declared version): the engine path's single-snapshot cases
 NEWEST = [max(SNAPSHOTS, key=release)] if SNAPSHOTS else []
-#: a case run on one legacy-actor snapshot (the oldest), skipped where none has it
+#: a case run on one legacy-actor snapshot (the first by name), skipped where none has it
 on_legacy = pytest.mark.parametrize("src", LEGACY[:1], ids=[p.name for p in LEGACY[:1]])
 on_newest = pytest.mark.parametrize("src", NEWEST, ids=[p.name for p in NEWEST])
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]

@@ -45,7 +45,8 @@ CORE_FOR_09 = "0.17.1"
 WHEEL = f"verl-{WHEEL_VERSION}-wheel"
 #: every tree and the verl release it is
 RELEASES = {p.name: release(p) for p in SNAPSHOTS} | {WHEEL: Version(WHEEL_VERSION)}
-FULL = [p.name for p in NEWEST] + [WHEEL]  # the full layout matrix
+FULL = [p.name for p in NEWEST] + [WHEEL]  # the full layout matrix (DP2, CP2, PP2)
+FEATURES = [p.name for p in NEWEST]  # VCPO keys, rollout, shadow, off, refusals
 
 
 def _core(name: str) -> str | None:
@@ -102,7 +103,7 @@ def test_each_tree_on_its_megatron_core(tmp_path, name):
     passed, skipped, tail = run_pytest(Path(__file__), env, tmp_path, timeout=3000, extra_args=args)
     assert passed and not skipped, tail
     assert all(name in case for case in passed), passed
-    expected = 1 + (2 + 1 + 1 + 3 if name in FULL else 0)
+    expected = 1 + (2 if name in FULL else 0) + (1 + 1 + 3 if name in FEATURES else 0)
     assert len(passed) == expected, (sorted(passed), tail)
 
 
@@ -197,19 +198,28 @@ def test_cp_and_pp_ranks_apply_the_dp_scale(tmp_path, name, cp, pp):
     assert holders == {(d, 0, pp - 1) for d in (0, 1)}
 
 
-@pytest.mark.parametrize("name", [n for n in FULL if n in TREES])
+@pytest.mark.parametrize("name", [n for n in FEATURES if n in TREES])
 def test_vcpo_keys_two_epochs_and_rollout_granularity(tmp_path, name):
-    """VCPO's actor.ess_scaling keys (product weights, linear rule, base ratio) over two
-    epochs of verl's mini-batches; then granularity "rollout": one ESS for every step."""
+    """VCPO's actor.ess_scaling keys (product weights, linear rule, base ratio, clipped
+    weights) over two shuffled epochs of verl's mini-batches with dynamic batch size; then
+    granularity "rollout": one ESS for every step."""
     tree = _tree(name)
-    vcpo = {
-        "strategy": "megatron",
-        "ess_scaling": {"enable": True, "scaling_rule": "linear", "base_ess_ratio": 0.8},
+    scaling = {"enable": True, "scaling_rule": "linear", "base_ess_ratio": 0.8}
+    clipped = {**scaling, "use_clipped": True, "rollout_is_threshold": 1.5}
+    vcpo = {"strategy": "megatron", "ess_scaling": clipped}
+    scenario = {
+        "env": {"ESS_LR_FLOOR": "0.01"},
+        "actor_config": vcpo,
+        "epochs": 2,
+        "shuffle": True,
+        "dynamic_bsz": True,  # verl regroups micro-batches by tokens; the steps stay the same
     }
-    scenario = {"env": {"ESS_LR_FLOOR": "0.01"}, "actor_config": vcpo, "epochs": 2}
     results = _run(tmp_path / "vcpo", tree, scenario)
-    expected = _expected_scales(results, mode="product", rule="linear", base_ratio=0.8, floor=0.01)
+    rule = {"mode": "product", "rule": "linear", "base_ratio": 0.8, "floor": 0.01}
+    expected = _expected_scales(results, weight_clip=1.5, **rule)
     assert len(expected) == 4
+    unclipped = _expected_scales(results, **rule)
+    assert any(e["scale"] != u["scale"] for e, u in zip(expected, unclipped, strict=True))
     _check(results, expected)
 
     env = {**ON, "ESS_LR_GRANULARITY": "rollout"}
@@ -224,7 +234,7 @@ def test_vcpo_keys_two_epochs_and_rollout_granularity(tmp_path, name):
     _check(results, [whole, whole])
 
 
-@pytest.mark.parametrize("name", [n for n in FULL if n in TREES])
+@pytest.mark.parametrize("name", [n for n in FEATURES if n in TREES])
 def test_shadow_logs_and_off_is_bit_exact(tmp_path, name):
     """Shadow mode: each step's scale logged as ess_lr_shadow_scale, LRs unscaled. Off
     (installed, not enabled): the same parameters, bit for bit, as without install()."""
@@ -257,7 +267,7 @@ def torch_equal(a, b) -> bool:
     ],
     ids=["bypass_mode", "no_rollout_log_probs", "fsdp_engine"],
 )
-@pytest.mark.parametrize("name", [n for n in FULL if n in TREES])
+@pytest.mark.parametrize("name", [n for n in FEATURES if n in TREES])
 def test_bad_input_one_error_on_every_rank_nothing_changed(tmp_path, name, scenario, message):
     tree = _tree(name)
     results = _run(tmp_path, tree, {**scenario, "env": {"ESS_LR_ENABLE": "1"}})
