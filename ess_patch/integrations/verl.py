@@ -53,7 +53,8 @@ driver sets ``old_log_probs`` to the rollout log-probs (every release): refused,
 
 The shapes, by feature (never by version string): the "path" aspect, decided when
 ``verl.workers`` is imported, needs the engine path's module (and takes the legacy actor too
-where it exists); a verl with neither is refused in one line naming the supported releases.
+where it exists); with neither, verl is rolled back at that import with one logged error line
+naming the supported releases (``failed_integrations()``; ``doctor`` reports it as a problem).
 The "engine" and "actor" aspects check the hooked methods' parameters when their modules are
 imported, so a verl that renamed them is refused by name instead of silently unscaled.
 
