@@ -451,7 +451,11 @@ def neither_probe(tree: str) -> dict:
 
 
 def doctor_probe(src: str) -> dict:
-    """``ess-patch doctor``'s verl section on this tree: its lines and its problems."""
+    """``ess-patch doctor``'s verl section on this tree: its lines and its problems. Run as in a
+    verl environment: the other frameworks' snapshots and import stubs, which the test session
+    may have put on ``sys.path``, are taken off (doctor imports every framework it finds)."""
+    others = ("miles-", "slime-", "megatron-lm-", "/stubs")
+    sys.path[:] = [p for p in sys.path if not any(o in p for o in others)]
     _import_verl(src)
     from ess_patch.doctor import collect
 
