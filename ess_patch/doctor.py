@@ -168,6 +168,7 @@ def _shape(report: Report, section: str, history: History) -> None:
     except Exception as exc:  # a host module failing at import time (reported above too)
         report.add(section, f"-- shape not decided: {type(exc).__name__}: {exc}")
         return
+    report.add(section, f"supported: {history.supported}")
     report.add(section, f"shape: {history.describe()}")
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "core_path",
     "core_version_for",
     "installed_core",
+    "pip_target",
     "pythonpath",
     "shim_dir",
 ]
@@ -98,17 +99,28 @@ def core_path(version: str) -> Path | None:
     """
     if installed_core() == version:
         return None
-    target = _cache_root() / version
-    if (target / "megatron" / "core" / "package_info.py").is_file():
+    return pip_target(version, [f"megatron-core=={version}"], "megatron/core/package_info.py")
+
+
+def pip_target(name: str, requirements: list[str], marker: str) -> Path:
+    """``pip install --no-deps --ignore-requires-python --target`` of ``requirements`` into
+    the cache folder ``name`` (once: a folder holding ``marker`` is reused), whole or not at
+    all. Nothing resolves dependencies, so nothing can pull torch.
+
+    Raises:
+        RuntimeError: pip could not install them (its output in the message).
+    """
+    target = _cache_root() / name
+    if (target / marker).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=target.parent))
+    partial = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps"]
-    cmd += ["--ignore-requires-python", "--target", str(partial), f"megatron-core=={version}"]
+    cmd += ["--ignore-requires-python", "--target", str(partial), *requirements]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         shutil.rmtree(partial, ignore_errors=True)
-        raise RuntimeError(f"could not install megatron-core {version}: {result.stderr[-2000:]}")
+        raise RuntimeError(f"could not install {' '.join(requirements)}: {result.stderr[-2000:]}")
     try:
         partial.rename(target)  # whole or not at all, if two runs race
     except OSError:

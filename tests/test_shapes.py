@@ -228,7 +228,10 @@ def test_doctor_shows_the_chosen_shape_or_the_problem(host, clean_ess):
     fits = _history(Shape("old", "1.0", (Feature(HOST, "ParallelState.cp_group"),)))
     report = Report()
     _shape(report, "targets: fakefw", fits)
-    assert report.sections["targets: fakefw"] == ["shape: fakefw: groups old"]
+    assert report.sections["targets: fakefw"] == [
+        "supported: fakefw 1.0 to 2.0",  # the framework's supported range, then its shape here
+        "shape: fakefw: groups old",
+    ]
     assert report.problems == []
     ess_patch.state.reset()
     fails = _history(Shape("new", "2.0", (Feature(HOST, "get_parallel_state"),)))

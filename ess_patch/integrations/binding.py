@@ -15,7 +15,7 @@ from typing import Any
 
 from ..state import register_cache
 
-__all__ = ["bind", "call_with", "parameters"]
+__all__ = ["bind", "bind_method", "call_method", "call_with", "parameters", "undecorated"]
 
 
 class _Signatures:
@@ -82,3 +82,44 @@ def call_with(function: Callable[..., Any], bound: inspect.BoundArguments, **cha
     (extra ``**kwargs`` the caller passed are kept)."""
     bound.arguments.update(changes)
     return function(*bound.args, **bound.kwargs)
+
+
+def undecorated(function: Any) -> Any:
+    """The function under a host's decorators: ``__wrapped__`` where set, and a closure over
+    ``decorated_function`` (verl's ``GPUMemoryLogger`` wraps its function in
+    ``f(*args, **kwargs)`` without ``functools.wraps``)."""
+    for _ in range(8):  # a few layers at most; never loop on a self-referencing wrapper
+        inner = getattr(function, "__wrapped__", None)
+        code = getattr(function, "__code__", None)
+        cells = getattr(function, "__closure__", None)
+        if (
+            inner is None
+            and code is not None
+            and cells
+            and "decorated_function" in code.co_freevars
+        ):
+            inner = cells[code.co_freevars.index("decorated_function")].cell_contents
+        if inner is None:
+            return function
+        function = inner
+    return function
+
+
+def bind_method(
+    wrapped: Any, instance: Any, args: tuple, kwargs: dict
+) -> inspect.BoundArguments | None:
+    """A wrapped method call's arguments by name (``self`` included), read from the
+    undecorated function: wrapt hands over the bound method, a vendored tree's decorator a
+    ``functools.partial(method, self)``. Call it back with ``call_with(wrapped, bound)``
+    minus ``self``: see :func:`call_method`."""
+    import functools
+
+    function = wrapped.func if isinstance(wrapped, functools.partial) else wrapped
+    return bind(undecorated(getattr(function, "__func__", function)), (instance, *args), kwargs)
+
+
+def call_method(wrapped: Any, bound: inspect.BoundArguments, **changes: Any) -> Any:
+    """Call a bound ``wrapped`` method with :func:`bind_method`'s arguments, ``changes``
+    replacing some by name."""
+    bound.arguments.update(changes)
+    return wrapped(*bound.args[1:], **bound.kwargs)

@@ -405,7 +405,13 @@ def ess_metrics() -> dict[str, float]:
         return result.metrics()
     if STATE.shadow is None:
         return {}
-    metrics = STATE.shadow.metrics()
-    if "lr_scale" in metrics:
+    return result_metrics(STATE.shadow, applied=False)
+
+
+def result_metrics(result: EssLrResult, *, applied: bool) -> dict[str, float]:
+    """``result``'s metrics (keys without a prefix); shadow mode (``applied`` False) reports
+    its would-be scale as ``ess_lr_shadow_scale``, never as an applied ``lr_scale``."""
+    metrics = result.metrics()
+    if not applied and "lr_scale" in metrics:
         metrics["ess_lr_shadow_scale"] = metrics.pop("lr_scale")
     return metrics

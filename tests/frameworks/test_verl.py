@@ -19,6 +19,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: harness, reference
 from harness import run_ranks
@@ -58,8 +59,25 @@ def _skip_reason() -> str | None:
     return None
 
 
+def release(src: Path) -> Version:
+    """The verl version a snapshot folder declares (``verl/version/version``)."""
+    return Version((src / "verl" / "version" / "version").read_text().strip())
+
+
+def has_legacy_actor(src: Path) -> bool:
+    """Whether the tree still has the legacy Megatron actor (removed in verl PR #6067, v0.8.0)."""
+    return (src / "verl" / "workers" / "actor" / "megatron_actor.py").is_file()
+
+
 SKIP = _skip_reason()
 SNAPSHOTS = verl_snapshots()
+#: the snapshots with the legacy Megatron actor (v0.7.0, @b178a3cd5): its tests run there only
+LEGACY = [p for p in SNAPSHOTS if has_legacy_actor(p)]
+#: the newest snapshot (by its declared version): the engine path's single-snapshot cases
+NEWEST = [max(SNAPSHOTS, key=release)] if SNAPSHOTS else []
+#: a case run on one legacy-actor snapshot (the first by name), skipped where none has it
+on_legacy = pytest.mark.parametrize("src", LEGACY[:1], ids=[p.name for p in LEGACY[:1]])
+on_newest = pytest.mark.parametrize("src", NEWEST, ids=[p.name for p in NEWEST])
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
 
 
@@ -93,6 +111,8 @@ def _batch(seed: int = 0, **kwargs):
 def _expected_scales(results: list[dict], seed: int = 0, **rule) -> list[dict]:
     """Per optimizer step: the float64 reference over the samples every DP rank trained on
     in that step (the ids each rank's mini-batch held)."""
+    for r in results:
+        assert "error" not in r, r["error"]
     batch = _batch(seed)
     by_dp = {r["coords"][0]: r["seen"] for r in results}
     steps = len(next(iter(by_dp.values())))
@@ -131,7 +151,7 @@ def _check_applied(results: list[dict], expected: list[dict]) -> None:
         )
 
 
-@pytest.mark.parametrize("src", SNAPSHOTS, ids=[p.name for p in SNAPSHOTS])
+@pytest.mark.parametrize("src", LEGACY, ids=[p.name for p in LEGACY])
 def test_each_step_uses_its_mini_batch_scale_dp2(tmp_path, src):
     """ESS_LR_ENABLE=1 (geometric weights): per optimizer step over that step's mini-batch."""
     results = _run(tmp_path, src, {"env": {"ESS_LR_ENABLE": "1", "ESS_LR_FLOOR": "0.05"}})
@@ -139,10 +159,12 @@ def test_each_step_uses_its_mini_batch_scale_dp2(tmp_path, src):
     assert len(expected) == 2 and expected[0]["scale"] != expected[1]["scale"]
     assert all(e["scale"] < 1 for e in expected)
     _check_applied(results, expected)
-    assert "verl: actor MegatronPPOActor.update_policy" in results[0]["shapes"]["verl"]
+    shapes = results[0]["shapes"]["verl"]
+    assert "actor through the legacy Megatron actor and the engine path" in shapes
+    assert "legacy actor MegatronPPOActor.update_policy" in shapes
 
 
-@pytest.mark.parametrize("src", SNAPSHOTS, ids=[p.name for p in SNAPSHOTS])
+@pytest.mark.parametrize("src", LEGACY, ids=[p.name for p in LEGACY])
 def test_vcpo_ess_scaling_keys_shuffled_two_epochs(tmp_path, src):
     """VCPO's actor.ess_scaling keys given as Hydra ``+`` overrides to verl's own config, the
     actor built on verl's real McoreActorConfig (through the wrapped omega_conf_to_dataclass):
@@ -168,7 +190,7 @@ def test_vcpo_ess_scaling_keys_shuffled_two_epochs(tmp_path, src):
     _check_applied(results, expected)
 
 
-@pytest.mark.parametrize("src", SNAPSHOTS[:1], ids=[p.name for p in SNAPSHOTS[:1]])
+@pytest.mark.parametrize("src", LEGACY[:1], ids=[p.name for p in LEGACY[:1]])
 def test_rollout_granularity_and_megatron_installed_too(tmp_path, src):
     """ESS_LR_GRANULARITY=rollout: one ESS over the whole rollout for every step; with
     install("megatron") as well, each update is still scaled exactly once."""
@@ -187,11 +209,11 @@ def test_rollout_granularity_and_megatron_installed_too(tmp_path, src):
     _check_applied(results, [whole, whole])
 
 
+@on_legacy
 @pytest.mark.parametrize(("cp", "pp"), [(2, 1), (1, 2)])
-def test_cp_and_pp_ranks_agree_with_dp_only(tmp_path, cp, pp):
+def test_cp_and_pp_ranks_agree_with_dp_only(tmp_path, src, cp, pp):
     """CP ranks hold whole sequences and every PP stage the whole batch: every rank applies
     the scale computed over DP alone (last stage, broadcast over PP)."""
-    src = SNAPSHOTS[0]
     results = _run(tmp_path, src, {"env": {"ESS_LR_ENABLE": "1"}}, dp=2, cp=cp, pp=pp)
     assert len(results) == 4
     _check_applied(results, _expected_scales(results))
@@ -205,25 +227,29 @@ def test_cp_and_pp_ranks_agree_with_dp_only(tmp_path, cp, pp):
     ],
     ids=["bypass_mode", "no_rollout_log_probs"],
 )
-def test_nothing_to_measure_raises_on_every_rank_and_changes_nothing(tmp_path, scenario, message):
-    src = SNAPSHOTS[0]
+@on_legacy
+def test_nothing_to_measure_raises_on_every_rank_and_changes_nothing(
+    tmp_path, src, scenario, message
+):
     results = _run(tmp_path, src, {**scenario, "env": {"ESS_LR_ENABLE": "1"}})
     for r in results:
         assert message in r["error"]
         assert r["applied"] == [] and r["after"] == r["scheduled"] and r["armed_after"] is None
 
 
-def test_disabled_changes_nothing(tmp_path):
+@on_legacy
+def test_disabled_changes_nothing(tmp_path, src):
     """No ESS_LR_ENABLE, no ess_scaling: LRs as scheduled, no actor/ESS metrics."""
-    results = _run(tmp_path, SNAPSHOTS[0], {"env": {}}, dp=1)
+    results = _run(tmp_path, src, {"env": {}}, dp=1)
     (r,) = results
     assert "error" not in r, r.get("error")
     assert r["applied"] == [r["scheduled"]] * 4
     assert not any(k.startswith(("actor/lr_scale", "actor/rho_ess")) for k in r["metrics"])
 
 
-def test_shadow_logs_but_never_scales(tmp_path):
-    results = _run(tmp_path, SNAPSHOTS[0], {"env": {"ESS_LR_SHADOW": "1"}})
+@on_legacy
+def test_shadow_logs_but_never_scales(tmp_path, src):
+    results = _run(tmp_path, src, {"env": {"ESS_LR_SHADOW": "1"}})
     expected = _expected_scales(results)
     for r in results:
         assert "error" not in r, r.get("error")
@@ -275,36 +301,13 @@ def test_vcpo_keys_through_verls_hydra_config(tmp_path, src):
     assert "ESS_LR_WEIGHT_CLIP" in r["clip_without_threshold"]
 
 
-def _engine_rank(src: str, scenario: dict) -> dict:
-    sys.path.insert(0, str(HERE))
-    import verl_rank
-
-    return verl_rank.run_engine(src, scenario)
-
-
-@pytest.mark.parametrize("src", SNAPSHOTS, ids=[p.name for p in SNAPSHOTS])
-def test_engine_path_each_step_uses_its_mini_batch_scale_dp2(tmp_path, src):
-    """The engine path (use_legacy_worker_impl=disable): verl's real update_actor ->
-    train_mini_batch -> train_batch; each engine optimizer step at its mini-batch's scale,
-    lr_scale in the step metrics (the driver prefixes actor/), the critic's TrainingWorker
-    unscaled."""
-    scenario = {"env": {"ESS_LR_ENABLE": "1", "ESS_LR_FLOOR": "0.05"}, "shuffle": True}
-    results = run_ranks(
-        _engine_rank, dp=2, args=(str(src), scenario), tmp_path=tmp_path, timeout=240
-    )
-    expected = _expected_scales(results, floor=0.05)
-    assert len(expected) == 2
-    for r in results:
-        r["metrics"] = {"actor/" + k: v for k, v in r.get("metrics", {}).items()}
-    _check_applied(results, expected)
-
-
 @pytest.mark.parametrize(("dp", "pp"), [(2, 1), (2, 2)])
-def test_a_nan_on_one_rank_raises_on_every_rank_before_any_update(tmp_path, dp, pp):
+@on_legacy
+def test_a_nan_on_one_rank_raises_on_every_rank_before_any_update(tmp_path, src, dp, pp):
     """Sample 1 (DP rank 0's first mini-batch) has a NaN log-prob: every rank of every stage
     raises at that step (the NaN policy is "raise"), nothing was updated, nothing stays armed."""
     scenario = {"env": {"ESS_LR_ENABLE": "1"}, "nan_sample": 1}
-    results = _run(tmp_path, SNAPSHOTS[0], scenario, dp=dp, pp=pp)
+    results = _run(tmp_path, src, scenario, dp=dp, pp=pp)
     for r in results:
         last = r["coords"][2] == pp - 1  # computes (and raises alike on every DP rank)
         expected = "NonFiniteLogProbError" if last else "InvalidInputsElsewhereError"
@@ -312,11 +315,12 @@ def test_a_nan_on_one_rank_raises_on_every_rank_before_any_update(tmp_path, dp, 
         assert r["applied"] == [] and r["after"] == r["scheduled"] and r["armed_after"] is None
 
 
-def test_the_auto_installer_covers_a_verl_worker(tmp_path):
+@on_legacy
+def test_the_auto_installer_covers_a_verl_worker(tmp_path, src):
     """ESS_PATCH_AUTO_INSTALL=1 with ESS_PATCH_INTEGRATIONS=verl (what the .pth line runs in
     each Ray worker) before verl is imported: the same per-step scales."""
     scenario = {"env": {"ESS_LR_ENABLE": "1"}, "autoinstall": True}
-    results = _run(tmp_path, SNAPSHOTS[0], scenario)
+    results = _run(tmp_path, src, scenario)
     _check_applied(results, _expected_scales(results))
 
 
@@ -327,32 +331,14 @@ def _missing_rank(src: str) -> dict:
     return verl_rank.missing_probe(src)
 
 
-def test_a_verl_without_the_hooked_symbols_is_refused_by_name(tmp_path):
-    (r,) = run_ranks(_missing_rank, args=(str(SNAPSHOTS[0]),), tmp_path=tmp_path, timeout=240)
+@on_legacy
+def test_a_verl_without_the_hooked_symbols_is_refused_by_name(tmp_path, src):
+    (r,) = run_ranks(_missing_rank, args=(str(src),), tmp_path=tmp_path, timeout=240)
     assert r["missing"].startswith("MissingTargetError")
     assert "MegatronPPOActor.make_minibatch_iterator does not exist" in r["missing"]
     assert "Supported: verl v0.7.0" in r["missing"]
     assert (r["installed"], r["targets"]) == (False, [])
     assert "update_policy has no parameter dataloader" in r["parameter"]
-
-
-def test_engine_path_rollout_granularity(tmp_path):
-    """ESS_LR_GRANULARITY=rollout on the engine path: the ESS over the whole batch
-    update_actor got (every DP rank), for each engine step."""
-    env = {"ESS_LR_ENABLE": "1", "ESS_LR_GRANULARITY": "rollout", "ESS_LR_FLOOR": "0.05"}
-    results = run_ranks(
-        _engine_rank, dp=2, args=(str(SNAPSHOTS[0]), {"env": env}), tmp_path=tmp_path, timeout=240
-    )
-    batch = _batch()
-    whole = reference_ess(
-        [x.double() for x in batch["old_log_probs"]],
-        [x.double() for x in batch["rollout_log_probs"]],
-        list(batch["mask"]),
-        floor=0.05,
-    )
-    for r in results:
-        r["metrics"] = {"actor/" + k: v for k, v in r.get("metrics", {}).items()}
-    _check_applied(results, [whole, whole])
 
 
 def _backends_rank(src: str) -> dict:
@@ -362,9 +348,84 @@ def _backends_rank(src: str) -> dict:
     return verl_rank.other_backends_probe(src)
 
 
-def test_fsdp_actor_and_engine_are_refused_while_on_and_untouched_while_off(tmp_path):
-    (r,) = run_ranks(_backends_rank, args=(str(SNAPSHOTS[0]),), tmp_path=tmp_path, timeout=240)
-    for name in ("fsdp", "engine"):
+@pytest.mark.parametrize("src", [*LEGACY[:1], *NEWEST], ids=lambda p: p.name)
+def test_fsdp_actor_and_engine_are_refused_while_on_and_untouched_while_off(tmp_path, src):
+    (r,) = run_ranks(_backends_rank, args=(str(src),), tmp_path=tmp_path, timeout=240)
+    names = ("fsdp", "engine") if has_legacy_actor(src) else ("engine",)  # no dp_actor since v0.8
+    for name in names:
         assert r[f"{name}_1"].startswith("NotImplementedError"), r[f"{name}_1"]
         assert "strategy 'fsdp' is not supported" in r[f"{name}_1"]
         assert not r[f"{name}_0"].startswith("NotImplementedError")  # verl's own error
+
+
+def _recipe_rank(src: str) -> dict:
+    sys.path.insert(0, str(HERE))
+    import verl_rank
+
+    return verl_rank.recipe_probe(src)
+
+
+@pytest.mark.parametrize("src", SNAPSHOTS, ids=[p.name for p in SNAPSHOTS])
+def test_the_documented_recipe_reaches_every_ray_actor(tmp_path, src):
+    """docs/frameworks/verl.md's command-line block, composed by verl's own Hydra config and
+    merged as ``main_ppo.run_ppo`` merges it for ``ray.init``: the ESS variables are in the
+    runtime environment every Ray actor starts with, VCPO's keys on the actor's node."""
+    (r,) = run_ranks(_recipe_rank, args=(str(src),), tmp_path=tmp_path, timeout=240)
+    assert {
+        "ESS_PATCH_AUTO_INSTALL": "1",
+        "ESS_PATCH_INTEGRATIONS": "verl",
+        "ESS_LR_ENABLE": "1",
+        "ESS_LR_FLOOR": "0.1",
+    }.items() <= {k: str(v) for k, v in r["env_vars"].items()}.items()
+    assert r["ess_scaling"] == {"enable": True, "scaling_rule": "sqrt"}
+    assert r["calculate_log_probs"] is True
+
+
+def _probe(name: str, *args: str) -> dict:
+    sys.path.insert(0, str(HERE))
+    import verl_rank
+
+    return getattr(verl_rank, name)(*args)
+
+
+@on_newest
+def test_a_verl_newer_than_any_known_shape_is_refused_by_name(tmp_path, src):
+    """``train_batch`` without ``data``: install() refuses with the parameter and the supported
+    releases named; nothing of verl stays patched."""
+    (r,) = run_ranks(_probe, args=("engine_missing_probe", str(src)), tmp_path=tmp_path)
+    assert r["parameter"].startswith("MissingTargetError"), r["parameter"]
+    assert "TrainingWorker.train_batch has no parameter data" in r["parameter"]
+    assert "Supported: verl v0.7.0 (2026-01-05) to main @1dda039b9" in r["parameter"]
+    assert (r["installed"], r["targets"]) == (False, [])
+
+
+@on_newest
+def test_a_verl_with_neither_actor_path_is_told_the_supported_releases(tmp_path, src):
+    """No engine_workers and no legacy actor: one logged line naming the supported releases
+    when verl.workers is imported; verl stays unpatched (install()'s late-import rule)."""
+    import shutil
+
+    tree = tmp_path / "verl-neither"
+    shutil.copytree(src / "verl", tree / "verl", ignore=shutil.ignore_patterns("__pycache__"))
+    (tree / "verl" / "workers" / "engine_workers.py").unlink()
+    (r,) = run_ranks(_probe, args=("neither_probe", str(tree)), tmp_path=tmp_path / "run")
+    assert "module verl.workers.engine_workers does not exist" in r["failure"]
+    assert "Supported: verl v0.7.0 (2026-01-05) to main @1dda039b9" in r["failure"]
+    assert len(r["logged"]) == 1 and "\n" not in r["logged"][0]  # one line, on every rank
+    assert r["failure"] in r["logged"][0]
+    assert r["targets"] == []  # verl.utils.config imported after it: not wrapped either
+
+
+@pytest.mark.parametrize("src", [*LEGACY[:1], *NEWEST], ids=lambda p: p.name)
+def test_doctor_names_the_supported_releases_and_the_path_used(tmp_path, src):
+    (r,) = run_ranks(_probe, args=("doctor_probe", str(src)), tmp_path=tmp_path, timeout=240)
+    assert r["problems"] == []
+    assert "supported: verl v0.7.0 (2026-01-05) to main @1dda039b9 (2026-08-22)" in "\n".join(
+        r["lines"]
+    )
+    (shape,) = [line for line in r["lines"] if line.startswith("shape: verl: ")]
+    if has_legacy_actor(src):
+        assert "actor through the legacy Megatron actor and the engine path" in shape
+    else:
+        assert "actor through the engine path (no legacy actor)" in shape
+        assert "legacy actor none (removed in v0.8.0)" in shape

@@ -1,6 +1,7 @@
 """What one rank runs in the verl tests: verl's REAL Megatron actor (and critic) on CPU.
 
-Real: ``MegatronPPOActor.make_minibatch_iterator`` / ``update_policy``,
+Real (the legacy actor, verl < 0.8; the engine path is ``verl_engine_rank.py``):
+``MegatronPPOActor.make_minibatch_iterator`` / ``update_policy``,
 ``MegatronPPOCritic.update_critic``, ``DataProto`` and its iterator, megatron-core's
 optimizer (built on CPU by ``tests/megatron_cpu.py``), megatron's process groups, ess-patch's
 ``install("verl")``. Not real, because it cannot run on CPU: the model. Each actor's
@@ -51,6 +52,16 @@ def _import_verl(src: str) -> None:
         transformers.AutoModelForVision2Seq = transformers.AutoModelForImageTextToText
     if not hasattr(torch.cpu, "empty_cache"):
         torch.cpu.empty_cache = lambda: None
+    for name in ("max_memory_allocated", "max_memory_reserved"):  # verl >= 0.8 logs them
+        if not hasattr(torch.cpu, name):
+            setattr(torch.cpu, name, lambda: 0)
+
+
+def has_legacy_actor() -> bool:
+    """Whether the imported verl still has the legacy Megatron actor (gone since v0.8.0)."""
+    from importlib.util import find_spec
+
+    return find_spec("verl.workers.actor") is not None
 
 
 def composed(src: str, overrides: list[str]) -> Any:
@@ -77,18 +88,22 @@ def _install(scenario: dict) -> None:
         return
     from verl.utils import config
     from verl.workers import engine_workers
-    from verl.workers.actor import dp_actor, megatron_actor
 
     from ess_patch.vendored import is_vendored
 
     decorated = [
-        vars(megatron_actor.MegatronPPOActor)["update_policy"],
-        vars(megatron_actor.MegatronPPOActor)["make_minibatch_iterator"],
         vars(engine_workers.ActorRolloutRefWorker)["update_actor"],
         vars(engine_workers.TrainingWorker)["train_batch"],
-        vars(dp_actor.DataParallelPPOActor)["update_policy"],
         config.omega_conf_to_dataclass,
     ]
+    if has_legacy_actor():  # verl < 0.8: the legacy actors are patched too
+        from verl.workers.actor import dp_actor, megatron_actor
+
+        decorated += [
+            vars(megatron_actor.MegatronPPOActor)["update_policy"],
+            vars(megatron_actor.MegatronPPOActor)["make_minibatch_iterator"],
+            vars(dp_actor.DataParallelPPOActor)["update_policy"],
+        ]
     assert all(is_vendored(f) for f in decorated), "the tree is not patched"
     assert not ess_patch.is_installed()
 
@@ -287,143 +302,6 @@ def config_probe(src: str) -> dict:
     return out
 
 
-class _CpuEngine:
-    """Stand-in for verl's model engine (``workers/engine/megatron``), which builds a real
-    model and cannot run on CPU: the engine's part of ``train_batch`` (zero grads, forward /
-    backward, ``optimizer.step()``) on megatron_cpu's tiny net and a real megatron-core
-    optimizer, recording which samples each mini-batch held. Not wrapped by ess-patch."""
-
-    def __init__(self, setup: Any, seen: list) -> None:
-        self.setup, self.seen, self.optimizer = setup, seen, setup.optimizer
-
-    def get_data_parallel_size(self) -> int:
-        from megatron.core import parallel_state as mpu
-
-        return mpu.get_data_parallel_world_size()
-
-    def get_data_parallel_rank(self) -> int:
-        from megatron.core import parallel_state as mpu
-
-        return mpu.get_data_parallel_rank()
-
-    def get_data_parallel_group(self) -> Any:
-        from megatron.core import parallel_state as mpu
-
-        return mpu.get_data_parallel_group()
-
-    def is_mp_src_rank_with_outputs(self) -> bool:
-        return True
-
-    def train_mode(self, **_kwargs: Any) -> Any:
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def train_batch(self, data: Any, loss_function: Any) -> dict:
-        from megatron_cpu import batch, forward_backward
-
-        ids = [int(row[0]) for row in data["input_ids"].unbind()]
-        self.seen.append(ids)
-        x, y = batch(len(self.seen), 0)
-        forward_backward(self.setup, x, y)
-        ok, grad_norm, _ = self.optimizer.step()
-        assert ok
-        return {"metrics": {"grad_norm": grad_norm}, "loss": [0.0], "model_output": {}}
-
-    def lr_scheduler_step(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
-
-
-def run_engine(src: str, scenario: dict) -> dict:
-    """One rank of the engine path: verl's real ``ActorRolloutRefWorker.update_actor`` ->
-    ``TrainingWorker.train_mini_batch`` -> ``train_batch`` on a batch in verl's no-padding
-    layout, the engine a CPU stand-in; then the critic's TrainingWorker."""
-    from types import SimpleNamespace
-
-    os.environ.update(scenario.get("env", {}))
-    _import_verl(src)
-    import ess_patch
-
-    _install(scenario)
-    from megatron.core import parallel_state as mpu
-    from megatron_cpu import build_megatron_optimizer
-    from omegaconf import OmegaConf
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
-
-    from ess_patch.demo.cpu import megatron_on_cpu
-
-    dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
-    out: dict[str, Any] = {"coords": (dp_rank, 0, 0)}
-
-    def trainer(setup: Any, seen: list) -> Any:
-        worker = object.__new__(TrainingWorker)  # Ray actor and engine cannot be built on CPU
-        vars(worker).update(
-            engine=_CpuEngine(setup, seen),
-            loss_fn=lambda *a, **k: None,
-            engine_config=SimpleNamespace(
-                forward_only=False,
-                use_dynamic_bsz=False,
-                max_token_len_per_gpu=64,
-                micro_batch_size_per_gpu=2,
-                use_fused_kernels=False,
-            ),
-            model_config=SimpleNamespace(use_remove_padding=True),
-            device_name="cpu",
-            flops_counter=SimpleNamespace(estimate_flops=lambda *_a, **_k: (0.0, 1.0)),
-        )
-        return worker
-
-    def prepared() -> Any:
-        data = _local(scenario, dp_rank, dp_size).batch  # verl's TensorDict of this DP rank
-        # what verl's left_right_2_no_padding makes of it (its unpad_input needs flash_attn,
-        # a CUDA package; every token is attended here, so the rows are the sequences)
-        data["input_ids"] = torch.nested.as_nested_tensor(
-            list(data["input_ids"].unbind()), layout=torch.jagged
-        )
-        data["position_ids"] = torch.nested.as_nested_tensor(
-            list(data["position_ids"].unbind()), layout=torch.jagged
-        )
-        data["loss_mask"] = data["response_mask"]
-        tu.assign_non_tensor(data, max_seq_len=PROMPT + R, max_response_len=R)
-        tu.assign_non_tensor(
-            data,
-            mini_batch_size=2 * dp_size,
-            epochs=scenario.get("epochs", 1),
-            seed=7,
-            dataloader_kwargs={"shuffle": scenario.get("shuffle", False)},
-        )
-        return data
-
-    with megatron_on_cpu():
-        actor_setup = build_megatron_optimizer("fp32", optimizer="adam", seed=1)
-        critic_setup = build_megatron_optimizer("fp32", optimizer="adam", seed=2)
-        seen: list = []
-        worker = object.__new__(ActorRolloutRefWorker)
-        vars(worker).update(
-            actor=trainer(actor_setup, seen),
-            config=OmegaConf.create({"actor": _config(scenario, src)}),
-        )
-        applied: list = []
-        _lr_recorder(actor_setup.optimizer, applied)
-        out["scheduled"] = [g["lr"] for g in actor_setup.optimizer.param_groups]
-        try:
-            output = worker.update_actor(prepared())
-            out["metrics"] = dict(tu.get(output, "metrics"))
-        except Exception as exc:
-            out["error"] = f"{type(exc).__name__}: {exc}"
-        out.update(seen=seen, applied=applied, armed_after=ess_patch.armed())
-        out["after"] = [g["lr"] for g in actor_setup.optimizer.param_groups]
-
-        critic = trainer(critic_setup, [])
-        critic_applied: list = []
-        _lr_recorder(critic_setup.optimizer, critic_applied)
-        out["critic_scheduled"] = [g["lr"] for g in critic_setup.optimizer.param_groups]
-        critic.train_mini_batch(prepared())
-        out["critic_applied"] = critic_applied
-    return out
-
-
 def missing_probe(src: str) -> dict:
     """A verl whose actor lacks a hooked method (or a parameter): what install() says, and
     that nothing of verl stays patched."""
@@ -465,22 +343,122 @@ def other_backends_probe(src: str) -> dict:
     import ess_patch
 
     ess_patch.install("verl")
-    from verl.workers.actor.dp_actor import DataParallelPPOActor
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
     out: dict[str, Any] = {}
-    actor = object.__new__(DataParallelPPOActor)
-    vars(actor).update(config=OmegaConf.create({"strategy": "fsdp"}))
     worker = object.__new__(ActorRolloutRefWorker)
     vars(worker).update(actor=object(), config=OmegaConf.create({"actor": {"strategy": "fsdp"}}))
+    calls = [("engine", lambda: worker.update_actor(None))]
+    if has_legacy_actor():
+        from verl.workers.actor.dp_actor import DataParallelPPOActor
+
+        actor = object.__new__(DataParallelPPOActor)
+        vars(actor).update(config=OmegaConf.create({"strategy": "fsdp"}))
+        calls.append(("fsdp", lambda: actor.update_policy(None)))
     for enable in ("1", "0"):
         os.environ["ESS_LR_ENABLE"] = enable
-        for name, call in (
-            ("fsdp", lambda: actor.update_policy(None)),
-            ("engine", lambda: worker.update_actor(None)),
-        ):
+        for name, call in calls:
             try:
                 call()
             except Exception as exc:
                 out[f"{name}_{enable}"] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+#: the recipe of docs/frameworks/verl.md, as verl's command line takes it
+RECIPE = [
+    "actor_rollout_ref.rollout.calculate_log_probs=True",
+    "+ray_kwargs.ray_init.runtime_env.env_vars.ESS_PATCH_AUTO_INSTALL=1",
+    "+ray_kwargs.ray_init.runtime_env.env_vars.ESS_PATCH_INTEGRATIONS=verl",
+    "+ray_kwargs.ray_init.runtime_env.env_vars.ESS_LR_ENABLE=1",
+    "+ray_kwargs.ray_init.runtime_env.env_vars.ESS_LR_FLOOR=0.1",
+    "+actor_rollout_ref.actor.ess_scaling.enable=true",
+    "+actor_rollout_ref.actor.ess_scaling.scaling_rule=sqrt",
+]
+
+
+def recipe_probe(src: str) -> dict:
+    """The recipe through verl's own config, and the runtime environment ``main_ppo.run_ppo``
+    hands ``ray.init`` (its two lines, with verl's own ``get_ppo_ray_runtime_env``: importing
+    ``main_ppo`` itself needs torchdata, which the frameworks tier does not install): what
+    every Ray actor's environment gets, and the actor's ``ess_scaling`` node."""
+    import inspect
+
+    _import_verl(src)
+    from omegaconf import OmegaConf
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+    config = composed(src, RECIPE)
+    takes_config = "config" in inspect.signature(get_ppo_ray_runtime_env).parameters
+    default = get_ppo_ray_runtime_env(config) if takes_config else get_ppo_ray_runtime_env()
+    ray_init_kwargs = config.ray_kwargs.get("ray_init", {})
+    runtime_env = OmegaConf.merge(default, ray_init_kwargs.get("runtime_env", {}))
+    return {
+        "env_vars": OmegaConf.to_container(runtime_env)["env_vars"],
+        "ess_scaling": OmegaConf.to_container(config.actor_rollout_ref.actor.ess_scaling),
+        "calculate_log_probs": config.actor_rollout_ref.rollout.calculate_log_probs,
+    }
+
+
+def engine_missing_probe(src: str) -> dict:
+    """A verl newer than any known shape: ``TrainingWorker.train_batch`` without its ``data``
+    parameter. What install() says, and that nothing of verl stays patched."""
+    _import_verl(src)
+    from verl.workers.engine_workers import TrainingWorker
+
+    import ess_patch
+    from ess_patch.install import installed_targets
+
+    out: dict[str, Any] = {}
+
+    def train_batch(self, batch):  # renamed parameter
+        return None
+
+    original = vars(TrainingWorker)["train_batch"]
+    TrainingWorker.train_batch = train_batch
+    try:
+        ess_patch.install("verl")
+    except Exception as exc:
+        out["parameter"] = f"{type(exc).__name__}: {exc}"
+    out["installed"], out["targets"] = ess_patch.is_installed(), installed_targets()
+    TrainingWorker.train_batch = original
+    return out
+
+
+def neither_probe(tree: str) -> dict:
+    """A verl with neither the engine path nor the legacy actor (``tree``: a copy without
+    them), imported after install(): what is logged and recorded, and what stays patched.
+    (A host's import never fails because of ess-patch: the integration is rolled back.)"""
+    import logging
+
+    _import_verl(tree)
+    import ess_patch
+    from ess_patch.install import failed_integrations, installed_targets
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("ess_patch").addHandler(handler)
+    ess_patch.install("verl")
+    import verl.utils.config
+    import verl.workers  # noqa: F401
+
+    return {
+        "failure": failed_integrations().get("verl", ""),
+        "logged": [r for r in records if "verl" in r],
+        "targets": [t for t in installed_targets() if t.startswith("verl")],
+    }
+
+
+def doctor_probe(src: str) -> dict:
+    """``ess-patch doctor``'s verl section on this tree: its lines and its problems. Run as in a
+    verl environment: the other frameworks' snapshots and import stubs, which the test session
+    may have put on ``sys.path``, are taken off (doctor imports every framework it finds)."""
+    others = ("miles-", "slime-", "megatron-lm-", "/stubs")
+    sys.path[:] = [p for p in sys.path if not any(o in p for o in others)]
+    _import_verl(src)
+    from ess_patch.doctor import collect
+
+    report = collect()
+    lines = [line for key, value in report.sections.items() if "verl" in key for line in value]
+    return {"lines": lines, "problems": [p for p in report.problems if "verl" in p]}
