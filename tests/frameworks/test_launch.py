@@ -40,6 +40,7 @@ FLAGS = EssLrConfig(
     nonfinite="floor",
     granularity="step",
     weight_clip=3.0,
+    calibrate_rollouts=3,
 )
 FLAG_ARGV = [
     "--ess-lr-floor",
@@ -56,6 +57,8 @@ FLAG_ARGV = [
     "step",
     "--ess-lr-weight-clip",
     "3",
+    "--ess-lr-calibrate-rollouts",
+    "3",
 ]
 ENV = {
     "ESS_LR_FLOOR": "0.3",
@@ -65,6 +68,7 @@ ENV = {
     "ESS_LR_NONFINITE": "floor",
     "ESS_LR_GRANULARITY": "step",
     "ESS_LR_WEIGHT_CLIP": "5",
+    "ESS_LR_CALIBRATE_ROLLOUTS": "2",
 }
 FROM_ENV = EssLrConfig(
     floor=0.3,
@@ -74,6 +78,7 @@ FROM_ENV = EssLrConfig(
     nonfinite="floor",
     granularity="step",
     weight_clip=5.0,
+    calibrate_rollouts=2,
 )
 DISABLE = "--disable-compute-advantages-and-returns"
 CASES = {
