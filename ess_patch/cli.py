@@ -7,8 +7,9 @@ import datetime
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from . import __version__
 from .config import EssLrConfig
@@ -100,7 +101,7 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
         help="stress: the regime chosen from the off arm alone (benchmarks/stress_select.py), "
         "arms off / geometric / product / constant-LR control / vcpo over paired seeds; "
         "weights: rho and scale of geometric and product weights against response length, lag "
-        "and train/rollout mismatch (docs/which-weights.md) [default]",
+        "and train/rollout mismatch (docs/which-weights.md) [default: default]",
     )
     demo.add_argument("--seeds", type=int, help="stress: paired seeds 0..N-1 [8; --quick: 2]")
     demo.add_argument(
@@ -220,9 +221,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     if args.scenario == "stress":
         return _run_stress(args)
     if args.scenario == "weights":
-        from .demo.weights import cli_main
-
-        return cli_main(args)
+        return _run_weights(args)
     if args.seeds is not None or args.lags is not None:
         print("ess-patch demo: --seeds and --lags need --scenario stress", file=sys.stderr)
         return 2
@@ -424,6 +423,74 @@ def _run_doctor() -> int:
         report = collect()
     print(render(report))
     return 1 if report.problems else 0
+
+
+#: What the weights scenario reads of the demo's options; any other given is refused.
+_WEIGHTS_OPTIONS = ("command", "func", "scenario", "seed", "out", "quick", "no_progress", "verbose")
+
+
+def _run_weights(args: argparse.Namespace) -> int:
+    """``ess-patch demo --scenario weights`` (the CLI's parsed ``args``)."""
+    from tqdm import tqdm
+
+    from .demo.weights import WeightsConfig, quick_weights_config, run_weights
+
+    # the training scenarios' settings mean nothing here: say so rather than ignore them
+    ignored = [
+        "--" + name.replace("_", "-")
+        for name, value in vars(args).items()
+        if name not in _WEIGHTS_OPTIONS and value is not None and value is not False
+    ]
+    if ignored:
+        print(
+            f"ess-patch demo --scenario weights: {', '.join(ignored)} do not apply (it measures "
+            "geometric and product weights with the default rule; it takes --seed, --quick, "
+            "--out, --no-progress)",
+            file=sys.stderr,
+        )
+        return 2
+    options: dict[str, Any] = {}
+    if getattr(args, "seed", None) is not None:
+        options["seed"] = args.seed
+    try:
+        cfg = quick_weights_config(**options) if args.quick else WeightsConfig(**options)
+    except ValueError as exc:
+        print(f"ess-patch demo --scenario weights: {exc}", file=sys.stderr)
+        return 2
+    out = args.out
+    if out is None:
+        out = Path("ess-demo-out") / datetime.datetime.now().strftime("weights-%Y%m%d-%H%M%S")
+    print(
+        f"ess-patch demo --scenario weights: lengths {', '.join(map(str, cfg.lengths))}, "
+        f"lags {', '.join(map(str, cfg.lags))}, {cfg.rollouts} rollouts of {cfg.batch} each "
+        f"(the first {cfg.calibrate} calibrate)"
+    )
+    bar = None
+
+    def progress(total: int) -> Callable[[str], None]:
+        nonlocal bar
+        bar = tqdm(total=total, unit="batch", disable=args.no_progress, dynamic_ncols=True)
+
+        def tick(what: str) -> None:
+            bar.set_description(what, refresh=False)
+            bar.update(1)
+
+        return tick
+
+    result = run_weights(cfg, Path(out), progress=progress)
+    if bar is not None:
+        bar.close()
+    print()
+    print(result.table)
+    print()
+    print(
+        "rho = ESS/B over each rollout's trajectories; scale = clamp(sqrt(rho / base), 0.1, 1); "
+        "calibrated: product weights with calibrate_rollouts (--ess-lr-calibrate-rollouts)"
+    )
+    print(f"finished in {result.wall_s:.0f}s; outputs in {result.out_dir.resolve()}:")
+    for path in result.files:
+        print(f"  {path.name}")
+    return 0
 
 
 if __name__ == "__main__":

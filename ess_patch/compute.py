@@ -24,7 +24,6 @@ from .reduction import (
 )
 from .removed import removed_keyword
 from .result import ENCODED_SIZE, EssLrResult
-from .state import STATE
 
 __all__ = ["compute_ess_lr", "compute_ess_lr_from_stats"]
 
@@ -359,7 +358,7 @@ def _reduce_table(
     from (calibration.py: it travels in the envelopes; this rank's own with no peers)."""
     cp_size, dp_size = sizes
     calibrating = config is not None and config.calibrate_rollouts > 0
-    agreed = STATE.calibration if calibrating else NO_CALIBRATION
+    agreed = calibration.held(config) if calibrating else NO_CALIBRATION
     origin = None if error is None else origin_rank(error)
     fault: Exception | None = None
     if cp_size > 1:

@@ -250,7 +250,7 @@ _MAX_CALIBRATION = 1_000_000
 def _calibration(value: object) -> int:
     # from_env and the options hand strings over: "4" yes; "4.5", "-1", True no
     text = value.strip() if isinstance(value, str) else value
-    if isinstance(text, str) and text.lstrip("+").isdigit():
+    if isinstance(text, str) and text.lstrip("+").isdecimal():
         text = int(text)
     if isinstance(text, float) and text.is_integer():
         text = int(text)

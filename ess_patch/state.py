@@ -63,8 +63,10 @@ class _EssState:
     ledger: list = field(default_factory=list)
     ledger_error: BaseException | None = None
     # calibrate_rollouts: (results counted so far, sum of their rho), the same on every rank
-    # that computes (calibration.py); reset() starts a new calibration
+    # that computes (calibration.py), and the fingerprint of the config it was counted under
+    # (another config starts a new calibration); reset() starts a new calibration
     calibration: tuple[float, float] = (0.0, 0.0)
+    calibration_key: tuple[float, ...] | None = None
 
 
 STATE = _EssState()
@@ -102,6 +104,7 @@ def reset() -> None:
     STATE.ledger = []
     STATE.ledger_error = None
     STATE.calibration = (0.0, 0.0)
+    STATE.calibration_key = None
 
 
 def arm(result_or_scale: EssLrResult | float) -> EssLrResult:

@@ -186,7 +186,7 @@ def known_variables() -> set[str]:
     from dataclasses import fields
 
     from ess_patch import EssLrConfig
-    from ess_patch.integrations.verl import ENV_ENABLE
+    from ess_patch.integrations.verl_settings import ENV_ENABLE
 
     names = {f"ESS_LR_{f.name.upper()}" for f in fields(EssLrConfig)} | {ENV_ENABLE}
     sources = [*(ROOT / "ess_patch").rglob("*.py"), *(ROOT / "tests").rglob("*.py")]

@@ -56,6 +56,29 @@ def test_scale_one_while_calibrating_then_rho_over_the_mean_of_the_first_k():
     assert compute_ess_lr(*_two(3.0), config=EssLrConfig()).scale == pytest.approx(math.sqrt(0.8))
 
 
+def test_another_config_starts_a_new_calibration_and_restart_forgets_it():
+    """A ratio counted under one config is never applied under another (a run that changes
+    weight mode, or a second run in the same process), and ``calibration.restart()`` starts over
+    while keeping the rest of the state."""
+    from ess_patch import calibration
+
+    geometric = EssLrConfig(calibrate_rollouts=1)
+    product = EssLrConfig(weight_mode="product", calibrate_rollouts=1)
+    # geometric calibrates on rho 1 (one-token trajectories: both modes see rho 0.8 for a = 3)
+    assert compute_ess_lr(*_two(1.0), config=geometric).status == "calibrating"
+    assert compute_ess_lr(*_two(3.0), config=geometric).calibrated_ratio == pytest.approx(1.0)
+    # product weights never saw a rollout: they calibrate on their own first one (rho 0.8)
+    first = compute_ess_lr(*_two(3.0), config=product)
+    assert (first.status, first.scale) == ("calibrating", 1.0)
+    after = compute_ess_lr(*_two(7.0), config=product)
+    assert after.calibrated_ratio == pytest.approx(0.8)
+    assert after.scale == pytest.approx(math.sqrt(0.64 / 0.8), rel=1e-12)
+    ess_patch.arm(after)
+    calibration.restart()
+    assert compute_ess_lr(*_two(7.0), config=product).status == "calibrating"
+    assert ess_patch.armed() is after  # restart() forgets the calibration only
+
+
 def test_base_ratio_is_relative_to_the_calibrated_rho_and_rule_and_floor_hold():
     config = EssLrConfig(calibrate_rollouts=1, base_ratio=0.5, rule="linear", floor=0.3)
     first = compute_ess_lr(*_two(3.0), config=config)

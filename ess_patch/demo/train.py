@@ -52,7 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import EssLrConfig, arm, compute_ess_lr, disarm
+from .. import EssLrConfig, arm, calibration, compute_ess_lr, disarm
 from . import task as task_mod
 from .policy import (
     PolicySpec,
@@ -526,6 +526,7 @@ def _train_arm(
         for leaf in getattr(optimizer, "chained_optimizers", [optimizer])
     ]
     ess_config = cfg.ess_config(arm_name)
+    calibration.restart()  # each arm is a run of its own (calibrate_rollouts)
     scales: list[float] = []
     versions: deque[dict[str, Any]] = deque([_publish(model, lay, cfg)], maxlen=cfg.lag + 1)
     forward_backward = get_forward_backward_func()

@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
+from .. import calibration
 from ..analyze.advice import TokenStats, advise, evidence, on_policy_product_rho, token_stats
 from ..compute import compute_ess_lr
 from ..config import EssLrConfig
-from ..state import reset
 
 __all__ = ["LEVELS", "WeightsConfig", "WeightsResult", "quick_weights_config", "run_weights"]
 
@@ -213,9 +213,11 @@ def _cell(cfg: WeightsConfig, length: int, name: str, level: float, noisy: list)
     product = EssLrConfig(weight_mode="product", floor=FLOOR)
     calibrated = replace(product, calibrate_rollouts=cfg.calibrate)
     # the remedy as a run meets it: the first rollouts (lag 0) calibrate, then it brakes
-    reset()
+    calibration.restart()
     for rlp, train in noisy[: cfg.calibrate]:
-        assert _results(rlp, train[0], calibrated).status == "calibrating"
+        status = _results(rlp, train[0], calibrated).status
+        if status != "calibrating":
+            raise RuntimeError(f"the weights scenario expected a calibrating result, got {status}")
     rows = []
     lag0_stats: list[TokenStats] = []
     lag0_scales: dict[str, list[float]] = {"geometric": [], "product": []}
@@ -255,7 +257,7 @@ def _cell(cfg: WeightsConfig, length: int, name: str, level: float, noisy: list)
     advice = advise(evidence(lag0_stats, *lag0_scales.values(), lag0=True))
     for row in rows:
         row["advice"] = advice.weights
-    reset()
+    calibration.restart()
     return rows
 
 
@@ -354,72 +356,3 @@ def figure(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-#: What the weights scenario reads of the demo's options; any other given is refused.
-_OWN_OPTIONS = ("command", "func", "scenario", "seed", "out", "quick", "no_progress", "verbose")
-
-
-def cli_main(args: Any) -> int:
-    """``ess-patch demo --scenario weights`` (the CLI's parsed ``args``)."""
-    import datetime
-    import sys
-
-    from tqdm import tqdm
-
-    # the training scenarios' settings mean nothing here: say so rather than ignore them
-    ignored = [
-        "--" + name.replace("_", "-")
-        for name, value in vars(args).items()
-        if name not in _OWN_OPTIONS and value is not None and value is not False
-    ]
-    if ignored:
-        print(
-            f"ess-patch demo --scenario weights: {', '.join(ignored)} do not apply (it measures "
-            "geometric and product weights with the default rule; it takes --seed, --quick, "
-            "--out, --no-progress)",
-            file=sys.stderr,
-        )
-        return 2
-    options: dict[str, Any] = {}
-    if getattr(args, "seed", None) is not None:
-        options["seed"] = args.seed
-    try:
-        cfg = quick_weights_config(**options) if args.quick else WeightsConfig(**options)
-    except ValueError as exc:
-        print(f"ess-patch demo --scenario weights: {exc}", file=sys.stderr)
-        return 2
-    out = args.out
-    if out is None:
-        out = Path("ess-demo-out") / datetime.datetime.now().strftime("weights-%Y%m%d-%H%M%S")
-    print(
-        f"ess-patch demo --scenario weights: lengths {', '.join(map(str, cfg.lengths))}, "
-        f"lags {', '.join(map(str, cfg.lags))}, {cfg.rollouts} rollouts of {cfg.batch} each "
-        f"(the first {cfg.calibrate} calibrate)"
-    )
-    bar = None
-
-    def progress(total: int) -> Callable[[str], None]:
-        nonlocal bar
-        bar = tqdm(total=total, unit="batch", disable=args.no_progress, dynamic_ncols=True)
-
-        def tick(what: str) -> None:
-            bar.set_description(what, refresh=False)
-            bar.update(1)
-
-        return tick
-
-    result = run_weights(cfg, Path(out), progress=progress)
-    if bar is not None:
-        bar.close()
-    print()
-    print(result.table)
-    print()
-    print(
-        "rho = ESS/B over each rollout's trajectories; scale = clamp(sqrt(rho / base), 0.1, 1); "
-        "calibrated: product weights with calibrate_rollouts (--ess-lr-calibrate-rollouts)"
-    )
-    print(f"finished in {result.wall_s:.0f}s; outputs in {result.out_dir.resolve()}:")
-    for path in result.files:
-        print(f"  {path.name}")
-    return 0
