@@ -259,10 +259,11 @@ def engine_update_actor_wrapper(
     _refuse_other_backends(_strategy(actor_config))
     data = _the(bind_method(wrapped, instance, args, kwargs), wrapped, "data")
     rollout = compute_batch(data, chosen.config) if chosen.config.granularity == "rollout" else None
-    vars(trainer)[_ENGINE_STATE] = (chosen, rollout)
     optimizer = getattr(getattr(trainer, "engine", None), "optimizer", None)
-    attached = chosen.enabled and _attach(optimizer)
-    try:
+    attached = False
+    try:  # the mark and the attachment never outlive the call, even if attaching raises
+        vars(trainer)[_ENGINE_STATE] = (chosen, rollout)
+        attached = chosen.enabled and _attach(optimizer)
         return wrapped(*args, **kwargs)
     finally:
         vars(trainer).pop(_ENGINE_STATE, None)

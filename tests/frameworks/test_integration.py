@@ -162,6 +162,7 @@ def test_parser_accepts_the_flags_and_changes_no_default(fw, clean_ess):
         "ess_lr_shadow",
         "ess_lr_granularity",
         "ess_lr_weight_clip",
+        "ess_lr_calibrate_rollouts",
     }
     before = {k: repr(v) for k, v in vars(plain).items()}
     after = {k: repr(v) for k, v in vars(off).items() if k not in ours}
