@@ -61,7 +61,7 @@ def _gate(block: Block) -> Path | None:
         import torch
 
         if not torch.cuda.is_available():
-            pytest.skip(f"{block.id}: needs a GPU (requires=gpu)")
+            pytest.skip(f"{block.id}: needs a GPU (requires=gpu): runs where torch sees one")
     covered = block.options.get("covered-by")
     if covered is None:
         return None

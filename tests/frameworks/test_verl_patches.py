@@ -70,9 +70,23 @@ def test_revert_restores_the_snapshot_byte_for_byte(patched):
     assert _hashes(patched) == _hashes(original)
 
 
+@pytest.mark.parametrize(
+    "patched",
+    [
+        pytest.param(
+            p,
+            id=p.name,
+            marks=pytest.mark.skipif(
+                not has_legacy_actor(p),
+                reason=f"{p.name} has no legacy Megatron actor (removed in verl v0.8.0): runs "
+                "on the trees that have it (v0.7.x, b178a3cd5)",
+            ),
+        )
+        for p in SNAPSHOTS
+    ],
+    indirect=True,
+)
 def test_patched_legacy_actor_scales_each_step_without_install(patched, tmp_path):
-    if not has_legacy_actor(patched):
-        pytest.skip(f"{patched.name} has no legacy Megatron actor (removed in verl v0.8.0)")
     scenario = {"env": {"ESS_LR_ENABLE": "1", "ESS_LR_FLOOR": "0.05"}, "vendored": True}
     results = run_ranks(
         _rank, dp=2, args=(str(patched), scenario), tmp_path=tmp_path / "run", timeout=240
