@@ -29,6 +29,30 @@ def make_rollout(rid: int, sigma: float) -> list[dict]:
 SIGMAS = [0.01, 0.1, 0.3, 0.6, 0.15, 1.2]
 
 
+def save_slime_dump(path, rid: int, samples: list[dict]) -> None:
+    """One rank's slime train-data dump (format 2, gathered) of a rollout from make_rollout."""
+    torch.save(
+        {
+            "format_version": 2,
+            "rollout_id": rid,
+            "rank": 0,
+            "samples": [
+                {
+                    "log_probs": s["lp"],
+                    "rollout_log_probs": s["rlp"],
+                    "loss_masks": s["mask"],
+                    "total_lengths": s["total"],
+                    "response_lengths": s["resp"],
+                    "rollout_position": i,
+                }
+                for i, s in enumerate(samples)
+            ],
+            "dp_shards": [{"rank": 0, "data_parallel_rank": 0}],
+        },
+        path,
+    )
+
+
 def check_against_reference(rows, rollouts):
     settings = default_settings()
     assert len(rows) == len(rollouts) * len(settings)

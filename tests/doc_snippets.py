@@ -315,33 +315,13 @@ def python_program(block: Block) -> str:
 
 def _analyze_dump(tmp: Path) -> dict[str, str]:
     """A slime train-data dump (the gathered format) of three rollouts."""
-    import torch
-    from analyze_data import SIGMAS, make_rollout
+    from analyze_data import SIGMAS, make_rollout, save_slime_dump
 
     folder = tmp / "train_data"
     folder.mkdir()
     for rid, sigma in enumerate(SIGMAS[:3]):
         samples = make_rollout(rid, sigma)
-        torch.save(
-            {
-                "format_version": 2,
-                "rollout_id": rid,
-                "rank": 0,
-                "samples": [
-                    {
-                        "log_probs": s["lp"],
-                        "rollout_log_probs": s["rlp"],
-                        "loss_masks": s["mask"],
-                        "total_lengths": s["total"],
-                        "response_lengths": s["resp"],
-                        "rollout_position": i,
-                    }
-                    for i, s in enumerate(samples)
-                ],
-                "dp_shards": [{"rank": 0, "data_parallel_rank": 0}],
-            },
-            folder / f"{rid}_0.pt",
-        )
+        save_slime_dump(folder / f"{rid}_0.pt", rid, samples)
     return {"/path/to/dump_details/train_data": str(folder)}
 
 

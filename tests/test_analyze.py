@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from analyze_data import SIGMAS, check_against_reference, make_rollout
+from analyze_data import SIGMAS, check_against_reference, make_rollout, save_slime_dump
 
 from ess_patch.analyze import DumpError, analyze
 from ess_patch.cli import main
@@ -87,26 +87,7 @@ def test_slime_gathered_format_matches_the_reference(tmp_path):
     d.mkdir()
     rollouts = [make_rollout(r, s) for r, s in enumerate(SIGMAS)]
     for rid, samples in enumerate(rollouts):
-        torch.save(
-            {
-                "format_version": 2,
-                "rollout_id": rid,
-                "rank": 0,
-                "samples": [
-                    {
-                        "log_probs": s["lp"],
-                        "rollout_log_probs": s["rlp"],
-                        "loss_masks": s["mask"],
-                        "total_lengths": s["total"],
-                        "response_lengths": s["resp"],
-                        "rollout_position": i,
-                    }
-                    for i, s in enumerate(samples)
-                ],
-                "dp_shards": [{"rank": 0, "data_parallel_rank": 0}],
-            },
-            d / f"{rid}_0.pt",
-        )
+        save_slime_dump(d / f"{rid}_0.pt", rid, samples)
     result = analyze([d], tmp_path / "out", figure=False)
     check_against_reference(result.rows, rollouts)
 
