@@ -185,6 +185,7 @@ def layout_run(cfg: DemoConfig) -> dict[str, Any]:
 
     glue._original = capture
     step(cfg, md, d, torch.ones(cfg.rollouts_per_rank))
+    seen["final"] = grads(model)  # after megatron's finalize: averaged over DP
     metrics = glue.metrics()
     glue.remove()
     return {
@@ -192,6 +193,12 @@ def layout_run(cfg: DemoConfig) -> dict[str, Any]:
         "tp_rank": ps.get_tensor_model_parallel_rank(),
         "sq": seen["sq"],
         "grads": seen["grads"],
+        "final": seen["final"],
         "partition": partitions(model),
         "metrics": metrics,
     }
+
+
+def references(cfg: DemoConfig) -> list[dict[str, Any]]:
+    """:func:`reference` for every DP rank of ``cfg`` (run on one rank)."""
+    return [reference(cfg, r) for r in range(cfg.dp)]
