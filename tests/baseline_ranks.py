@@ -202,3 +202,51 @@ def layout_run(cfg: DemoConfig) -> dict[str, Any]:
 def references(cfg: DemoConfig) -> list[dict[str, Any]]:
     """:func:`reference` for every DP rank of ``cfg`` (run on one rank)."""
     return [reference(cfg, r) for r in range(cfg.dp)]
+
+
+def glue_errors() -> dict[str, str]:
+    """The glue's clear errors on one rank; each leaves the gradients and the config as found."""
+    from megatron.core.distributed import finalize_model_grads
+
+    from ess_patch.demo.opob import BaselineGlue
+    from ess_patch.per_trajectory import PerTrajectoryGrads, UnsupportedModuleError
+
+    cfg = config()
+    model, ddp = md = build(cfg)
+    d = data(cfg, 0)
+    out: dict[str, str] = {}
+    saved = model.config.finalize_model_grads_func
+    model.config.finalize_model_grads_func = None
+    try:
+        BaselineGlue(model, ddp)
+    except ValueError as exc:
+        out["no_finalize"] = str(exc)
+    model.config.finalize_model_grads_func = saved
+    assert saved is finalize_model_grads
+    glue = BaselineGlue(model, ddp)
+    try:
+        glue.begin(torch.ones(3), torch.zeros(2).long())
+    except ValueError as exc:
+        out["begin_shapes"] = str(exc)
+    step(cfg, md, d, torch.ones(cfg.rollouts_per_rank), finalize=False)
+    before = grads(model)
+    try:  # a step without begin(): finalize refuses before touching a gradient
+        glue._finalize([ddp])
+    except RuntimeError as exc:
+        out["no_begin"] = str(exc)
+    out["grads_kept"] = str(all(torch.equal(before[k], v) for k, v in grads(model).items()))
+    glue.begin(torch.ones(5), torch.zeros(5).long())  # one row short of the step's 6
+    step(cfg, md, d, torch.ones(cfg.rollouts_per_rank), finalize=False)
+    before = grads(model)
+    try:
+        glue._finalize([ddp])
+    except RuntimeError as exc:
+        out["rows"] = str(exc)
+    out["grads_kept_rows"] = str(all(torch.equal(before[k], v) for k, v in grads(model).items()))
+    glue.remove()
+    out["restored"] = str(model.config.finalize_model_grads_func is finalize_model_grads)
+    try:
+        PerTrajectoryGrads(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    except UnsupportedModuleError as exc:
+        out["unsupported"] = str(exc)
+    return out
