@@ -205,19 +205,23 @@ def run(
     ok: dict[str, bool] = {}
     with single_process() if device == "cpu" else _cuda_world():
         for label, cfg in _configs(quick).items():
-            # two trainers from the same seed: the glue's model must not run a plain step
-            s, g = _Setup(cfg, device), _Setup(cfg, device)
+            # one trainer per way, from the same seed (the glue's model must not run a plain
+            # step, and no way runs on weights another way has moved)
+            s, g, v = _Setup(cfg, device), _Setup(cfg, device), _Setup(cfg, device)
             glue = BaselineGlue(g.model, g.ddp)
-            agree = _agreement(s, g, glue)
+            agree = _agreement(v, g, glue)
             fns = {
                 "plain": partial(_plain, s),
                 "one-pass": partial(_one_pass, g, glue),
-                "vcpo": partial(_vcpo, s),
+                "vcpo": partial(_vcpo, v),
             }
             times: dict[str, list[float]] = {k: [] for k in fns}
             inside: list[float] = []
+            names = list(fns)
             for rnd in range(1 + repeats):
-                for name, fn in fns.items():
+                # rotate the order every round: no way always follows the same other one
+                for name in names[rnd % 3 :] + names[: rnd % 3]:
+                    fn = fns[name]
                     _sync(device)
                     t = time.perf_counter()
                     fn()
@@ -248,7 +252,7 @@ def run(
                 ]
             )
             ok[f"baseline one-pass overhead < {TARGET:.0%} ({label}, {device})"] = over < TARGET
-            del s, g
+            del s, g, v
     headers = [
         "model",
         "params",

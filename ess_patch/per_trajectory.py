@@ -1,9 +1,9 @@
 """Per-trajectory gradients of a megatron-core ``GPTModel`` in the training backward.
 
 :class:`PerTrajectoryGrads` hooks every module of a model that owns parameters. While
-capturing, each module keeps its input (forward hook) and the gradient of its output (a
-tensor hook, fired by the training backward itself), per micro-batch. Every parameter's
-gradient is a sum over tokens of a product of those two, so after the backward:
+capturing, each module keeps its input (forward hook); when the training backward reaches the
+module's output (a tensor hook), it turns input and output gradient into this micro-batch's
+per-trajectory pieces of every parameter's gradient. After the backward:
 
 * :meth:`~PerTrajectoryGrads.sq_norms` gives ``||grad of trajectory i's loss term||^2`` for
   every trajectory of this rank, summed over this rank's parameters, then over the tensor-
@@ -23,11 +23,23 @@ output is sliced back to the rank's shard), ``torch.nn.LayerNorm`` / megatron's
 activations ``[s, b, h]``, embedding ids ``[b, s]``. A model with any other trainable
 parameter is refused at construction (:class:`UnsupportedModuleError` names it).
 
-Cost: per linear weight, the norms take ``min(T(d_in + d_out), d_in d_out)`` multiply-adds per
-token (ghost norm or per-trajectory outer product, whichever is cheaper), and the rewrite one
-weight-gradient matmul; autograd's own weight gradient is still computed and then
-overwritten. Memory: every hooked module's input and output gradient for every micro-batch
-of the step is held until :meth:`apply` (about one more copy of the step's activations).
+How each parameter's per-trajectory gradient is held until :meth:`apply` (per micro-batch of
+``b`` trajectories of ``s`` tokens):
+
+* *materialised*: ``[b, *param.shape]`` (every bias and norm weight, always; a linear weight
+  ``[o, i]`` when ``o*i <= materialise_ratio * s*(o+i)``; an embedding shard of ``V`` rows
+  when ``V <= materialise_ratio * s``). Computed in the backward by a batched matmul that
+  does the work of the weight-gradient matmul; the norm is then a square-sum and the rewrite
+  a weighted sum over ``b``: no extra matmul, ``b*o*i`` floats held.
+* *factored*: the input and the output gradient, ``[b, s, i]`` and ``[b, s, o]`` held. The norm
+  is the "ghost" norm ``sum_st <x_s, x_t><d_s, d_t>`` (``b*s^2*(i+o)`` extra multiply-adds), the
+  rewrite the weight-gradient matmul.
+
+With ``defer_linear_weights=True`` (the default) :meth:`start` freezes the linear weights for
+the step (megatron's ``linear_with_frozen_weight`` path) so that autograd does not compute
+their gradient only for :meth:`apply` to overwrite it: the per-trajectory matmul *replaces*
+the weight-gradient matmul. :meth:`stop` unfreezes them. Biases, norms and embeddings are small
+and keep their autograd gradient (overwritten by :meth:`apply`).
 """
 
 from __future__ import annotations
@@ -44,8 +56,6 @@ __all__ = ["PerTrajectoryGrads", "UnsupportedModuleError"]
 logger = logging.getLogger(__name__)
 
 _ACC = torch.float32
-#: Largest per-trajectory materialised embedding gradient (elements) before the ghost norm.
-_EMBED_MATERIALISE_MAX = 1 << 24
 
 
 class UnsupportedModuleError(TypeError):
@@ -70,17 +80,43 @@ def _kind(module: torch.nn.Module) -> str | None:
 
 
 @dataclass
+class _Piece:
+    """One parameter's per-trajectory gradient for one micro-batch."""
+
+    #: ``[b, *shape]`` when materialised, else None.
+    full: torch.Tensor | None = None
+    #: factored: ``(x [b, s, i] or ids [b, s], delta [b, s, o])``.
+    x: torch.Tensor | None = None
+    delta: torch.Tensor | None = None
+    #: ``[b]`` squared norms of a materialised piece, taken in the backward while it is hot.
+    sq: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.full is not None:
+            self.sq = torch.linalg.vector_norm(self.full.flatten(1), dim=1).square()
+
+    def nbytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size() for t in (self.full, self.x, self.delta) if t is not None
+        )
+
+
+@dataclass
 class _Site:
-    """One hooked module: its captures per micro-batch (forward order)."""
+    """One hooked module: its inputs (forward) and its pieces (backward), per micro-batch."""
 
     name: str
     module: torch.nn.Module
     kind: str
-    xs: list[torch.Tensor] = field(default_factory=list)
-    deltas: list[torch.Tensor | None] = field(default_factory=list)
+    params: dict[str, torch.nn.Parameter]
+    inputs: list[torch.Tensor | None] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    pieces: list[dict[str, _Piece] | None] = field(default_factory=list)
 
-    def params(self) -> list[tuple[str, torch.nn.Parameter]]:
-        return [(n, p) for n, p in self.module.named_parameters(recurse=False) if p.requires_grad]
+    def clear(self) -> None:
+        self.inputs.clear()
+        self.rows.clear()
+        self.pieces.clear()
 
 
 class PerTrajectoryGrads:
@@ -91,27 +127,44 @@ class PerTrajectoryGrads:
             trainable parameters all sit in supported modules.
         tp_group / pp_group: the tensor- / pipeline-parallel groups (``None`` or one rank: no
             collective).
+        defer_linear_weights: freeze the linear weights between :meth:`start` and :meth:`stop`
+            so that autograd skips the weight-gradient matmul that :meth:`apply` replaces.
+        materialise_ratio: hold a linear weight's or embedding's per-trajectory gradient
+            materialised while that takes at most this many times the memory of the factored
+            form (0: always factored; ``inf``: always materialised). See the module docstring.
 
     Raises:
         UnsupportedModuleError: a trainable parameter sits in an unsupported module (named).
     """
 
-    def __init__(self, model: torch.nn.Module, *, tp_group: Any = None, pp_group: Any = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        tp_group: Any = None,
+        pp_group: Any = None,
+        defer_linear_weights: bool = True,
+        materialise_ratio: float = 1.0,
+    ):
+        if not materialise_ratio >= 0:
+            raise ValueError(
+                f"PerTrajectoryGrads: materialise_ratio={materialise_ratio} must be >= 0"
+            )
+        self.materialise_ratio = materialise_ratio
         self.tp_group = tp_group if _group_size(tp_group) > 1 else None
         self.pp_group = pp_group if _group_size(pp_group) > 1 else None
         self.tp_rank = dist.get_rank(self.tp_group) if self.tp_group is not None else 0
-        self.tp_size = _group_size(self.tp_group)
         self._sites: list[_Site] = []
         unsupported = []
         for name, module in model.named_modules():
-            own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            own = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
             if not own:
                 continue
             kind = _kind(module)
             if kind is None:
                 unsupported.append(f"{name or '<root>'} ({type(module).__name__})")
                 continue
-            self._sites.append(_Site(name, module, kind))
+            self._sites.append(_Site(name, module, kind, own))
         if unsupported:
             raise UnsupportedModuleError(
                 "PerTrajectoryGrads: no per-trajectory gradient rule for the parameters of "
@@ -119,7 +172,12 @@ class PerTrajectoryGrads:
                 + "; supported: megatron Column/RowParallelLinear, LayerNorm, "
                 "VocabParallelEmbedding, torch LayerNorm/Embedding"
             )
-        self.num_params = sum(p.numel() for s in self._sites for _, p in s.params())
+        self.num_params = sum(p.numel() for s in self._sites for p in s.params.values())
+        self._frozen = (
+            [s.params["weight"] for s in self._sites if s.kind == "linear"]
+            if defer_linear_weights
+            else []
+        )
         self._capturing = False
         self._handles = [s.module.register_forward_hook(self._forward_hook(s)) for s in self._sites]
 
@@ -131,12 +189,15 @@ class PerTrajectoryGrads:
             out = output[0] if isinstance(output, tuple) else output
             if not out.requires_grad:
                 return
-            k = len(site.xs)
-            site.xs.append(inputs[0].detach())
-            site.deltas.append(None)
+            k = len(site.inputs)
+            x = inputs[0].detach()
+            site.inputs.append(x)
+            site.rows.append(x.shape[0] if site.kind == "embedding" else x.shape[1])
+            site.pieces.append(None)
 
             def grad_hook(grad: torch.Tensor) -> None:
-                site.deltas[k] = grad.detach()
+                site.pieces[k] = self._pieces(site, site.inputs[k], grad.detach())
+                site.inputs[k] = None  # held by the pieces where still needed
 
             out.register_hook(grad_hook)
 
@@ -145,112 +206,74 @@ class PerTrajectoryGrads:
     def start(self) -> None:
         """Drop earlier captures and capture the next forward/backward passes (with grad)."""
         for s in self._sites:
-            s.xs.clear()
-            s.deltas.clear()
+            s.clear()
+        for p in self._frozen:
+            p.requires_grad_(False)
         self._capturing = True
 
     def stop(self) -> None:
-        """Stop capturing (the captures stay until :meth:`start` or :meth:`remove`)."""
+        """Stop capturing, unfreeze the linear weights (captures stay until start/remove)."""
         self._capturing = False
+        for p in self._frozen:
+            p.requires_grad_(True)
+
+    def clear(self) -> None:
+        """Free the captures (after :meth:`apply`)."""
+        for s in self._sites:
+            s.clear()
 
     def remove(self) -> None:
-        """Remove the hooks and free the captures."""
+        """Remove the hooks, unfreeze the linear weights and free the captures."""
         self.stop()
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        for s in self._sites:
-            s.xs.clear()
-            s.deltas.clear()
+        self.clear()
 
     @property
     def captured_bytes(self) -> int:
-        """Memory held by the captures now (inputs and output gradients)."""
-        return sum(
-            t.numel() * t.element_size()
-            for s in self._sites
-            for t in (*s.xs, *s.deltas)
-            if t is not None
-        )
+        """Memory held by the captures now (inputs, pieces)."""
+        total = 0
+        for s in self._sites:
+            total += sum(x.numel() * x.element_size() for x in s.inputs if x is not None)
+            for pieces in s.pieces:
+                total += sum(p.nbytes() for p in (pieces or {}).values())
+        return total
 
     def num_trajectories(self) -> int:
         """Trajectories captured since :meth:`start` (rows of every micro-batch)."""
-        if not self._sites:
-            return 0
-        s = self._sites[0]
-        return sum(self._rows(s, x) for x in s.xs)
+        return sum(self._sites[0].rows) if self._sites else 0
 
-    # ---------------------------------------------------------------- per site
-    @staticmethod
-    def _rows(site: _Site, x: torch.Tensor) -> int:
-        return x.shape[0] if site.kind == "embedding" else x.shape[1]
-
-    def _pairs(self, site: _Site):
-        """``(x, delta)`` per micro-batch as ``[b, s, ...]``, float32, delta sliced to the shard."""
-        if any(d is None for d in site.deltas):
-            missing = [k for k, d in enumerate(site.deltas) if d is None]
-            raise RuntimeError(
-                f"PerTrajectoryGrads: module {site.name!r} ran forward for micro-batches "
-                f"{missing} with no backward since start(); call sq_norms()/apply() after the "
-                "step's last backward"
-            )
-        for x, d in zip(site.xs, site.deltas, strict=True):
-            if site.kind == "embedding":
-                yield x, d.to(_ACC)
-                continue
-            x, d = x.transpose(0, 1).to(_ACC), d.transpose(0, 1).to(_ACC)
-            if site.kind == "linear":
-                out_local = site.module.weight.shape[0]
-                if d.shape[-1] != out_local:  # gathered output (gather_output / runtime gather)
-                    d = d.narrow(-1, self.tp_rank * out_local, out_local)
-            yield x, d
-
-    def _counted(self, p: torch.nn.Parameter) -> bool:
-        """Sharded parameters count on every TP rank, replicated ones on TP rank 0 only."""
-        return self.tp_rank == 0 or bool(getattr(p, "tensor_model_parallel", False))
-
-    def _site_sq(self, site: _Site) -> list[torch.Tensor]:
-        """Per micro-batch ``[b]`` squared norms of this site's counted parameters."""
+    # ---------------------------------------------------------------- per site, backward time
+    def _pieces(self, site: _Site, x: torch.Tensor, d: torch.Tensor) -> dict[str, _Piece]:
+        """This micro-batch's per-trajectory pieces of the site's parameters."""
         m = site.module
-        out = []
-        for x, d in self._pairs(site):
-            sq = torch.zeros(x.shape[0], dtype=_ACC, device=x.device)
-            if site.kind == "linear":
-                if self._counted(m.weight):
-                    t, din, dout = x.shape[1], x.shape[2], d.shape[2]
-                    if t * (din + dout) < din * dout:  # ghost norm: <x_s,x_t><d_s,d_t>
-                        sq = sq + ((x @ x.transpose(1, 2)) * (d @ d.transpose(1, 2))).sum((1, 2))
-                    else:
-                        sq = sq + (d.transpose(1, 2) @ x).square().sum((1, 2))
-                bias = getattr(m, "bias", None)
-                if (
-                    isinstance(bias, torch.nn.Parameter)
-                    and bias.requires_grad
-                    and self._counted(bias)
-                ):
-                    sq = sq + d.sum(1).square().sum(1)
-            elif site.kind == "layernorm":
-                xhat = self._normalised(m, x)
-                if self._counted(m.weight):
-                    sq = sq + (d * xhat).sum(1).square().sum(1)
-                bias = getattr(m, "bias", None)
-                if (
-                    isinstance(bias, torch.nn.Parameter)
-                    and bias.requires_grad
-                    and self._counted(bias)
-                ):
-                    sq = sq + d.sum(1).square().sum(1)
-            else:
-                if self._counted(m.weight):
-                    sq = sq + self._embedding_sq(m, x, d)
-            out.append(sq)
+        out: dict[str, _Piece] = {}
+        if site.kind == "embedding":
+            return {"weight": self._embedding_piece(m, x, d.to(_ACC))}
+        x, d = x.transpose(0, 1).to(_ACC), d.transpose(0, 1).to(_ACC)  # [b, s, .]
+        if site.kind == "linear":
+            w = site.params.get("weight")
+            out_local = m.weight.shape[0]
+            if d.shape[-1] != out_local:  # gathered output (gather_output / runtime gather)
+                d = d.narrow(-1, self.tp_rank * out_local, out_local)
+            if w is not None:
+                s, i, o = x.shape[1], x.shape[2], d.shape[2]
+                if o * i <= self.materialise_ratio * s * (o + i):
+                    out["weight"] = _Piece(full=d.transpose(1, 2) @ x)
+                else:
+                    out["weight"] = _Piece(x=x, delta=d)
+        else:  # layernorm
+            if "weight" in site.params:
+                out["weight"] = _Piece(full=(d * self._normalised(m, x)).sum(1))
+        if "bias" in site.params:
+            out["bias"] = _Piece(full=d.sum(1))
         return out
 
     @staticmethod
     def _normalised(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         eps = getattr(m, "eps", 1e-5)
-        shape = tuple(m.weight.shape)
-        return torch.nn.functional.layer_norm(x, shape, None, None, eps)
+        return torch.nn.functional.layer_norm(x, tuple(m.weight.shape), None, None, eps)
 
     @staticmethod
     def _local_ids(m: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,71 +283,79 @@ class PerTrajectoryGrads:
         keep = (ids >= lo) & (ids < hi)
         return torch.where(keep, ids - lo, torch.zeros_like(ids)), keep
 
-    def _embedding_sq(self, m: torch.nn.Module, ids: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    def _embedding_piece(self, m: torch.nn.Module, ids: torch.Tensor, d: torch.Tensor) -> _Piece:
         local, keep = self._local_ids(m, ids)
         d = d * keep[..., None]
         b, s, h = d.shape
         rows = m.weight.shape[0]
-        if b * rows * h <= _EMBED_MATERIALISE_MAX:
-            index = (torch.arange(b, device=d.device)[:, None] * rows + local).flatten()
-            g = torch.zeros(b * rows, h, dtype=_ACC, device=d.device)
-            g.index_add_(0, index, d.reshape(b * s, h))
-            return g.view(b, rows * h).square().sum(1)
-        same = (local[:, :, None] == local[:, None, :]) & keep[:, :, None] & keep[:, None, :]
-        return ((d @ d.transpose(1, 2)) * same).sum((1, 2))
+        if rows > self.materialise_ratio * s:
+            return _Piece(x=local, delta=d)
+        index = (torch.arange(b, device=d.device)[:, None] * rows + local).flatten()
+        g = torch.zeros(b * rows, h, dtype=_ACC, device=d.device)
+        g.index_add_(0, index, d.reshape(b * s, h))
+        return _Piece(full=g.view(b, rows, h))
 
-    def _site_grads(self, site: _Site, coeffs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The site's parameter gradients with trajectory coefficients (per micro-batch)."""
-        m = site.module
-        grads: dict[str, torch.Tensor] = {}
+    # ---------------------------------------------------------------- norms and rewrite
+    def _counted(self, p: torch.nn.Parameter) -> bool:
+        """Sharded parameters count on every TP rank, replicated ones on TP rank 0 only."""
+        return self.tp_rank == 0 or bool(getattr(p, "tensor_model_parallel", False))
 
-        def add(name: str, g: torch.Tensor) -> None:
-            grads[name] = grads[name] + g if name in grads else g
+    @staticmethod
+    def _piece_sq(kind: str, piece: _Piece) -> torch.Tensor:
+        if piece.sq is not None:
+            return piece.sq
+        x, d = piece.x, piece.delta
+        assert x is not None and d is not None
+        dd = d @ d.transpose(1, 2)
+        if kind == "embedding":  # x: local ids; pairs of tokens with the same row
+            return (dd * (x[:, :, None] == x[:, None, :])).sum((1, 2))
+        return ((x @ x.transpose(1, 2)) * dd).sum((1, 2))
 
-        for (x, d), c in zip(self._pairs(site), coeffs, strict=True):
-            dc = d * c.to(_ACC)[:, None, None]
-            if site.kind == "linear":
-                add("weight", dc.reshape(-1, dc.shape[-1]).T @ x.reshape(-1, x.shape[-1]))
-                add("bias", dc.sum((0, 1)))
-            elif site.kind == "layernorm":
-                add("weight", (dc * self._normalised(m, x)).sum((0, 1)))
-                add("bias", dc.sum((0, 1)))
-            else:
-                local, keep = self._local_ids(m, x)
-                g = torch.zeros(m.weight.shape, dtype=_ACC, device=d.device)
-                g.index_add_(0, local.flatten(), (dc * keep[..., None]).reshape(-1, dc.shape[-1]))
-                add("weight", g)
-        return grads
+    @staticmethod
+    def _piece_grad(kind: str, piece: _Piece, c: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        if piece.full is not None:
+            return (c @ piece.full.flatten(1)).view(shape)
+        x, d = piece.x, piece.delta
+        assert x is not None and d is not None
+        dc = d * c[:, None, None]
+        if kind == "embedding":
+            g = torch.zeros(shape, dtype=_ACC, device=d.device)
+            return g.index_add_(0, x.flatten(), dc.reshape(-1, dc.shape[-1]))
+        return dc.reshape(-1, dc.shape[-1]).T @ x.reshape(-1, x.shape[-1])
 
-    # ---------------------------------------------------------------- results
-    def _split(self, values: torch.Tensor) -> list[torch.Tensor]:
-        sizes = [self._rows(self._sites[0], x) for x in self._sites[0].xs] if self._sites else []
-        if sum(sizes) != values.numel():
-            raise ValueError(
-                f"PerTrajectoryGrads: {values.numel()} coefficients for {sum(sizes)} captured "
-                "trajectories; give one per trajectory, in micro-batch order"
-            )
-        return list(values.split(sizes))
+    def _check(self) -> None:
+        n = self._sites[0].rows if self._sites else []
+        for site in self._sites:
+            if site.rows != n:
+                raise RuntimeError(
+                    f"PerTrajectoryGrads: module {site.name!r} saw micro-batches of {site.rows} "
+                    f"trajectories, {self._sites[0].name!r} {n}; every module must run on every "
+                    "micro-batch"
+                )
+            missing = [k for k, p in enumerate(site.pieces) if p is None]
+            if missing:
+                raise RuntimeError(
+                    f"PerTrajectoryGrads: module {site.name!r} ran forward for micro-batches "
+                    f"{missing} with no backward since start(); call sq_norms()/apply() after "
+                    "the step's last backward"
+                )
 
     def local_sq_norms(self) -> torch.Tensor:
         """``[N]`` squared norms over this rank's counted parameters (no collective)."""
-        n = self.num_trajectories()
-        if not self._sites:
-            return torch.zeros(0, dtype=_ACC)
-        total = None
+        self._check()
+        parts = []
         for site in self._sites:
-            mine = self._site_sq(site)
-            if [t.numel() for t in mine] != [self._rows(site, x) for x in site.xs] or (
-                sum(t.numel() for t in mine) != n
-            ):
-                raise RuntimeError(
-                    f"PerTrajectoryGrads: module {site.name!r} saw another set of micro-batches "
-                    "than the first module; every module must run on every micro-batch"
+            for name, p in site.params.items():
+                if not self._counted(p):
+                    continue
+                parts.append(
+                    torch.cat([self._piece_sq(site.kind, pieces[name]) for pieces in site.pieces])
+                    if site.pieces
+                    else torch.zeros(0, dtype=_ACC)
                 )
-            flat = torch.cat(mine) if mine else torch.zeros(0, dtype=_ACC)
-            total = flat if total is None else total + flat
-        assert total is not None
-        return total
+        if not parts:
+            return torch.zeros(self.num_trajectories(), dtype=_ACC)
+        return torch.stack(parts).sum(0)
 
     def sq_norms(self) -> torch.Tensor:
         """``[N]`` squared per-trajectory gradient norms over the whole model (TP and PP summed).
@@ -343,17 +374,25 @@ class PerTrajectoryGrads:
         Writes ``param.main_grad`` (megatron DDP) where it exists, else ``param.grad``.
         ``coeffs``: ``[N]``, one per captured trajectory in micro-batch order.
         """
-        parts = self._split(torch.as_tensor(coeffs).flatten())
+        self._check()
+        c = torch.as_tensor(coeffs).flatten().to(_ACC)
+        sizes = self._sites[0].rows if self._sites else []
+        if sum(sizes) != c.numel():
+            raise ValueError(
+                f"PerTrajectoryGrads: {c.numel()} coefficients for {sum(sizes)} captured "
+                "trajectories; give one per trajectory, in micro-batch order"
+            )
+        parts = c.split(sizes)
         for site in self._sites:
-            grads = self._site_grads(site, parts)
-            for name, p in site.params():
-                g = grads.get(name)
-                if g is None:
-                    g = torch.zeros_like(p, dtype=_ACC)
+            for name, p in site.params.items():
+                g = torch.zeros(p.shape, dtype=_ACC, device=p.device)
+                for pieces, ck in zip(site.pieces, parts, strict=True):
+                    assert pieces is not None
+                    g += self._piece_grad(site.kind, pieces[name], ck.to(g.device), p.shape)
                 target = getattr(p, "main_grad", None)
                 if target is not None:
                     target.copy_(g.view_as(target))
                 elif p.grad is not None:
                     p.grad.copy_(g.view_as(p.grad))
                 else:
-                    p.grad = g.to(p.dtype).view_as(p).clone()
+                    p.grad = g.to(p.dtype)

@@ -143,7 +143,7 @@ def reference(cfg: DemoConfig, dp_rank: int) -> dict[str, Any]:
     return {"sq": sq, "advantages": res.advantages, "grads": grads(md[0])}
 
 
-def layout_run(cfg: DemoConfig) -> dict[str, Any]:
+def layout_run(cfg: DemoConfig, materialise_ratio: float = 1.0) -> dict[str, Any]:
     """This rank in ``cfg``'s layout: the glue's norms, advantages and rewritten local grads."""
     from megatron.core import parallel_state as ps
 
@@ -165,6 +165,7 @@ def layout_run(cfg: DemoConfig) -> dict[str, Any]:
         pp_group=ps.get_pipeline_model_parallel_group(),
         dp_group=ps.get_data_parallel_group(),
     )
+    glue.grads.materialise_ratio = materialise_ratio
     d = data(cfg, dp_rank)
     seen: dict[str, Any] = {}
     inner = glue.grads.sq_norms

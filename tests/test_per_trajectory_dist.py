@@ -12,6 +12,8 @@ and after megatron's DP all-reduce.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from baseline_ranks import config, layout_run, references
@@ -33,21 +35,27 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("dp", "tp", "pp", "loss"),
+    ("dp", "tp", "pp", "loss", "ratio"),
     [
-        (2, 1, 1, "sequence"),
-        (1, 2, 1, "sequence"),
-        (1, 1, 2, "tis"),
-        pytest.param(2, 2, 2, "sequence", marks=pytest.mark.slow),
+        (2, 1, 1, "sequence", 1.0),
+        (1, 2, 1, "sequence", 1.0),
+        (1, 1, 2, "tis", 1.0),
+        # every linear weight and embedding materialised per trajectory (the default keeps
+        # this small model's factored: inputs and output gradients, the ghost norm)
+        (1, 2, 1, "tis", math.inf),
+        (2, 1, 1, "sequence", 0.0),
+        pytest.param(2, 2, 2, "sequence", 1.0, marks=pytest.mark.slow),
     ],
-    ids=["dp2", "tp2", "pp2", "dp2-tp2-pp2"],
+    ids=["dp2", "tp2", "pp2", "tp2-materialised", "dp2-factored", "dp2-tp2-pp2"],
 )
-def test_norms_and_rewritten_grads_match_one_backward_per_trajectory(tmp_path, dp, tp, pp, loss):
+def test_norms_and_rewritten_grads_match_one_backward_per_trajectory(
+    tmp_path, dp, tp, pp, loss, ratio
+):
     cfg = config(dp, tp, pp, loss=loss)
     refs = run_ranks(references, args=(cfg,), timeout=120, tmp_path=tmp_path / "ref")[0]
     # the harness lays out DP x PP with TP=1; layout_run re-initialises for TP
     ranks = run_ranks(
-        layout_run, dp=dp * tp, pp=pp, args=(cfg,), timeout=120, tmp_path=tmp_path / "run"
+        layout_run, dp=dp * tp, pp=pp, args=(cfg, ratio), timeout=120, tmp_path=tmp_path / "run"
     )
     assert len(ranks) == cfg.world_size
     names_seen: set[str] = set()

@@ -117,8 +117,7 @@ class BaselineGlue:
         res = min_variance_baseline(None, self._rewards.to(sq.device), sq, self._group_ids)
         self.grads.apply(res.advantages.to(torch.float32))
         held = self.grads.captured_bytes
-        self.grads.start()  # frees the captures
-        self.grads.stop()
+        self.grads.clear()
         elapsed = time.perf_counter() - t0
         stats = torch.tensor(
             [
