@@ -1,8 +1,8 @@
 """Run every benchmark and print the tables: ``python -m benchmarks [--quick]``.
 
 Also runnable as ``python benchmarks/run.py``. ``--only`` picks sections
-(``estimator``, ``collectives``, ``step``); ``--threads 1,8`` times the estimator at several
-torch thread counts. Full run: ~3-4 minutes on 2 cores; ``--quick``:
+(``estimator``, ``collectives``, ``step``, ``baseline``); ``--threads 1,8`` times the estimator at
+several torch thread counts. Full run: ~3-4 minutes on 2 cores; ``--quick``:
 under a minute (smaller batches, fewer repeats, one thread count).
 """
 
@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # python benchmarks/run.py
 
 import torch
 
-SECTIONS = ("estimator", "collectives", "step")
+SECTIONS = ("estimator", "collectives", "step", "baseline")
 
 
 def _cpu_model() -> str:
@@ -117,6 +117,13 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
         text, ok = step_bench.run(repeats)
+        print("\n" + text, flush=True)
+        targets.update(ok)
+
+    if "baseline" in only:
+        from . import baseline_bench
+
+        text, ok = baseline_bench.run(3 if args.quick else 7, quick=args.quick)
         print("\n" + text, flush=True)
         targets.update(ok)
 

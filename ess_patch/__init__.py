@@ -8,6 +8,9 @@ Public surface (see README.md)::
     result = ess_patch.compute_ess_lr(log_probs, rollout_log_probs, loss_masks,
                                       cp_group=cp, dp_group=dp, pp_group=pp)
     ess_patch.arm(result)                   # every optimizer step of this rollout uses it
+
+VCPO's other half, the minimum-variance baseline: ``ess_patch.min_variance_baseline`` and
+``ess_patch.PerTrajectoryGrads`` (docs/baseline.md).
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from .result import EssLrResult
 from .state import StepCountError, arm, armed, disarm, exclude, set_role
 
 if TYPE_CHECKING:
+    from .baseline import BaselineResult, NonFiniteBaselineInputError, min_variance_baseline
     from .compute import compute_ess_lr
     from .estimator import InvalidInputsElsewhereError, NonFiniteLogProbError
+    from .per_trajectory import PerTrajectoryGrads, UnsupportedModuleError
     from .reduction import ConfigMismatchError, broadcast_from_last_stage
 
 # The names that need torch are imported on first use, so that `import ess_patch` and
@@ -37,6 +42,11 @@ _LAZY = {
     "InvalidInputsElsewhereError": "estimator",
     "ConfigMismatchError": "reduction",
     "broadcast_from_last_stage": "reduction",
+    "min_variance_baseline": "baseline",
+    "BaselineResult": "baseline",
+    "NonFiniteBaselineInputError": "baseline",
+    "PerTrajectoryGrads": "per_trajectory",
+    "UnsupportedModuleError": "per_trajectory",
 }
 
 
@@ -56,13 +66,17 @@ def __getattr__(name: str) -> Any:
 __version__ = "0.3.0"
 
 __all__ = [
+    "BaselineResult",
     "ConfigMismatchError",
     "EssLrConfig",
     "EssLrResult",
     "InvalidInputsElsewhereError",
     "MissingTargetError",
+    "NonFiniteBaselineInputError",
     "NonFiniteLogProbError",
+    "PerTrajectoryGrads",
     "StepCountError",
+    "UnsupportedModuleError",
     "__version__",
     "arm",
     "armed",
@@ -75,6 +89,7 @@ __all__ = [
     "install",
     "installed_targets",
     "is_installed",
+    "min_variance_baseline",
     "scaled_lr",
     "set_role",
     "uninstall",
