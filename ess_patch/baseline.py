@@ -14,7 +14,7 @@ of tokens) never overflow. Accumulated in float64.
 Choices (docs/baseline.md gives the reasons at length):
 
 * ``log_weights=None``: the norms already carry the weight, i.e. they are the norms of the
-  *weighted* loss term's gradient (what :mod:`ess_patch.per_trajectory` measures in the
+  *weighted* loss term's gradient (what ``ess_patch.per_trajectory`` measures in the
   training backward). VCPO's code records the norm of the TIS-weighted loss and multiplies
   by ``w^2`` again (``w^4`` in all); passing both here would repeat that, so don't.
 * Clipped or not: pass the weight the loss actually uses (clipped if it clips). b* minimises

@@ -5,11 +5,11 @@ capturing, each module keeps its input (forward hook); when the training backwar
 module's output (a tensor hook), it turns input and output gradient into this micro-batch's
 per-trajectory pieces of every parameter's gradient. After the backward:
 
-* :meth:`~PerTrajectoryGrads.sq_norms` gives ``||grad of trajectory i's loss term||^2`` for
+* ``sq_norms()`` gives ``||grad of trajectory i's loss term||^2`` for
   every trajectory of this rank, summed over this rank's parameters, then over the tensor-
   parallel group (sharded parameters from every TP rank, replicated ones from TP rank 0 only)
   and over the pipeline group;
-* :meth:`~PerTrajectoryGrads.apply` rewrites every parameter's gradient as
+* ``apply()`` rewrites every parameter's gradient as
   ``sum_i c_i * (trajectory i's contribution)``: the backward is linear in each trajectory's
   loss coefficient, so this is exactly the gradient of the loss with coefficients ``c_i``
   (VCPO's ``R_i - b*``), with no second backward. The rewrite happens before the DP
@@ -23,7 +23,7 @@ output is sliced back to the rank's shard), ``torch.nn.LayerNorm`` / megatron's
 activations ``[s, b, h]``, embedding ids ``[b, s]``. A model with any other trainable
 parameter is refused at construction (:class:`UnsupportedModuleError` names it).
 
-How each parameter's per-trajectory gradient is held until :meth:`apply` (per micro-batch of
+How each parameter's per-trajectory gradient is held until ``apply()`` (per micro-batch of
 ``b`` trajectories of ``s`` tokens):
 
 * *materialised*: ``[b, *param.shape]`` (every bias and norm weight, always; a linear weight
@@ -35,11 +35,11 @@ How each parameter's per-trajectory gradient is held until :meth:`apply` (per mi
   is the "ghost" norm ``sum_st <x_s, x_t><d_s, d_t>`` (``b*s^2*(i+o)`` extra multiply-adds), the
   rewrite the weight-gradient matmul.
 
-With ``defer_linear_weights=True`` (the default) :meth:`start` freezes the linear weights for
+With ``defer_linear_weights=True`` (the default) ``start()`` freezes the linear weights for
 the step (megatron's ``linear_with_frozen_weight`` path) so that autograd does not compute
-their gradient only for :meth:`apply` to overwrite it: the per-trajectory matmul *replaces*
-the weight-gradient matmul. :meth:`stop` unfreezes them. Biases, norms and embeddings are small
-and keep their autograd gradient (overwritten by :meth:`apply`).
+their gradient only for ``apply()`` to overwrite it: the per-trajectory matmul *replaces*
+the weight-gradient matmul. ``stop()`` unfreezes them. Biases, norms and embeddings are small
+and keep their autograd gradient (overwritten by ``apply()``).
 """
 
 from __future__ import annotations
@@ -125,10 +125,10 @@ class PerTrajectoryGrads:
     Args:
         model: the (unwrapped) megatron ``GPTModel`` stage of this rank, or any module whose
             trainable parameters all sit in supported modules.
-        tp_group / pp_group: the tensor- / pipeline-parallel groups (``None`` or one rank: no
-            collective).
-        defer_linear_weights: freeze the linear weights between :meth:`start` and :meth:`stop`
-            so that autograd skips the weight-gradient matmul that :meth:`apply` replaces.
+        tp_group: the tensor-parallel group (``None`` or one rank: no collective).
+        pp_group: the pipeline-parallel group (``None`` or one rank: no collective).
+        defer_linear_weights: freeze the linear weights between ``start()`` and ``stop()``
+            so that autograd skips the weight-gradient matmul that ``apply()`` replaces.
         materialise_ratio: hold a linear weight's or embedding's per-trajectory gradient
             materialised while that takes at most this many times the memory of the factored
             form (0: always factored; ``inf``: always materialised). See the module docstring.
@@ -218,7 +218,7 @@ class PerTrajectoryGrads:
             p.requires_grad_(True)
 
     def clear(self) -> None:
-        """Free the captures (after :meth:`apply`)."""
+        """Free the captures (after ``apply()``)."""
         for s in self._sites:
             s.clear()
 
@@ -241,7 +241,7 @@ class PerTrajectoryGrads:
         return total
 
     def num_trajectories(self) -> int:
-        """Trajectories captured since :meth:`start` (rows of every micro-batch)."""
+        """Trajectories captured since ``start()`` (rows of every micro-batch)."""
         return sum(self._sites[0].rows) if self._sites else 0
 
     # ---------------------------------------------------------------- per site, backward time

@@ -1,6 +1,6 @@
 """The demo's "baseline" arms: VCPO's minimum-variance baseline inside megatron's schedule.
 
-:class:`BaselineGlue` joins :mod:`ess_patch.per_trajectory` (per-trajectory gradients from the
+:class:`BaselineGlue` joins ``ess_patch.per_trajectory`` (per-trajectory gradients from the
 training backward) and :func:`ess_patch.baseline.min_variance_baseline` to a megatron trainer
 with two calls per step and no change to the schedule::
 
@@ -46,8 +46,9 @@ class BaselineGlue:
             schedule reads ``finalize_model_grads_func`` from).
         ddp: megatron's ``DistributedDataParallel`` around it (the gradients written are its
             ``main_grad`` buffers); ``None`` for a model without DDP (``param.grad``).
-        tp_group / pp_group: TP and PP groups (the norms are summed over them).
-        dp_group: only for :meth:`metrics` (averaged over DP); groups never span DP ranks.
+        tp_group: the TP group (the norms are summed over it).
+        pp_group: the PP group (the norms are summed over it).
+        dp_group: only for ``metrics()`` (averaged over DP); groups never span DP ranks.
 
     Raises:
         ValueError: ``model.config.finalize_model_grads_func`` is not set yet (set it first).
