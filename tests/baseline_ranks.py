@@ -168,13 +168,15 @@ def layout_run(cfg: DemoConfig, materialise_ratio: float = 1.0) -> dict[str, Any
     glue.grads.materialise_ratio = materialise_ratio
     d = data(cfg, dp_rank)
     seen: dict[str, Any] = {}
-    inner = glue.grads.sq_norms
+    inner = glue._reduced_norms
 
-    def spy() -> torch.Tensor:
-        seen["sq"] = inner()
+    def spy(n: int) -> torch.Tensor:
+        seen["sq"] = inner(n)
+        # the package's own TP/PP reduction gives the same norms as the glue's
+        assert torch.equal(glue.grads.sq_norms(), seen["sq"])
         return seen["sq"]
 
-    glue.grads.sq_norms = spy
+    glue._reduced_norms = spy
     glue.begin(d["rewards"], d["groups"])
     # finalize=False would skip the glue: keep megatron's finalize but with one DP rank per
     # data, compare the local grads by reading them inside the glue's wrapped original
@@ -251,3 +253,56 @@ def glue_errors() -> dict[str, str]:
     except UnsupportedModuleError as exc:
         out["unsupported"] = str(exc)
     return out
+
+
+def dp_fault(kind: str) -> dict[str, Any]:
+    """DP=2 with a fault on DP rank 1 only: every rank must raise the same error, unchanged grads.
+
+    ``kind``: "nan_reward" (a NaN reward) or "rows" (one reward too few).
+    """
+    from megatron.core import parallel_state as ps
+
+    from ess_patch.demo.opob import BaselineGlue
+
+    cfg = config(dp=2)
+    model, ddp = md = build(cfg)
+    glue = BaselineGlue(
+        model,
+        ddp,
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(),
+    )
+    dp_rank = ps.get_data_parallel_rank()
+    d = data(cfg, dp_rank)
+    rewards, groups = d["rewards"].clone(), d["groups"]
+    if dp_rank == 1:
+        if kind == "nan_reward":
+            rewards[2] = float("nan")
+        else:
+            rewards, groups = rewards[:-1], groups[:-1]
+    seen: dict[str, Any] = {}
+    original = glue._original
+
+    def never(*args: Any, **kwargs: Any) -> Any:  # megatron's finalize must not be reached
+        seen["reached"] = True
+        return original(*args, **kwargs)
+
+    glue._original = never
+    glue.begin(rewards, groups)
+    before: dict[str, torch.Tensor] = {}
+    inner = glue.grads.local_sq_norms
+
+    def snapshot() -> torch.Tensor:  # the grads as the backward left them
+        before.update(grads(model))
+        return inner()
+
+    glue.grads.local_sq_norms = snapshot
+    try:
+        step(cfg, md, d, torch.ones(cfg.rollouts_per_rank))
+        error = None
+    except Exception as exc:  # the test compares the errors of both ranks
+        error = f"{type(exc).__name__}: {exc}"
+    kept = all(torch.equal(before[k], v) for k, v in grads(model).items())
+    glue.remove()
+    return {"error": error, "kept": kept, "reached": seen.get("reached", False)}

@@ -7,7 +7,7 @@ trajectory in tests/test_per_trajectory_dist.py.
 from __future__ import annotations
 
 import pytest
-from baseline_ranks import glue_errors
+from baseline_ranks import dp_fault, glue_errors
 from harness import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -23,3 +23,21 @@ def test_glue_errors_name_the_problem_and_change_nothing(tmp_path):
     assert out["grads_kept_rows"] == "True"
     assert out["restored"] == "True"
     assert "0 (Linear)" in out["unsupported"]
+
+
+@pytest.mark.parametrize(
+    ("kind", "error", "mine", "other"),
+    [
+        ("nan_reward", "NonFiniteBaselineInputError", "(this rank;", "(another rank;"),
+        ("rows", "RuntimeError", "got 5 rewards", "on another rank"),
+    ],
+)
+def test_a_fault_on_one_dp_rank_raises_on_every_rank_before_any_write(
+    tmp_path, kind, error, mine, other
+):
+    rank0, rank1 = run_ranks(dp_fault, dp=2, args=(kind,), timeout=120, tmp_path=tmp_path)
+    for r in (rank0, rank1):
+        assert r["error"] is not None and r["error"].startswith(error), r["error"]
+        assert r["kept"] and not r["reached"]
+    assert mine in rank1["error"]
+    assert other in rank0["error"]

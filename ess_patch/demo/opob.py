@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..baseline import min_variance_baseline
+from ..baseline import NonFiniteBaselineInputError, min_variance_baseline
 from ..per_trajectory import PerTrajectoryGrads
 
 __all__ = ["BaselineGlue"]
@@ -87,7 +87,13 @@ class BaselineGlue:
         """Start a step: this DP rank's rewards and prompt-group ids, in micro-batch order.
 
         Every TP and PP rank of the DP rank passes the same values. Raises ``ValueError`` on
-        shapes that disagree (nothing is started then).
+        shapes that disagree or non-integer ids (nothing is started then). From here to the
+        step's finalize the linear weights are frozen (see ``ess_patch.per_trajectory``);
+        finalize or ``remove()`` unfreezes them.
+
+        At the step's finalize, a wrong row count or a non-finite reward or norm on any rank
+        raises on every rank (``RuntimeError`` / ``NonFiniteBaselineInputError``, with
+        ``dp_group`` given) before any gradient is written.
         """
         r = torch.as_tensor(rewards).detach().flatten()
         ids = torch.as_tensor(group_ids).detach().flatten()
@@ -96,6 +102,8 @@ class BaselineGlue:
                 f"BaselineGlue.begin: {r.numel()} rewards but {ids.numel()} group ids; give one "
                 "of each per trajectory of this DP rank"
             )
+        if ids.is_floating_point() or ids.is_complex():
+            raise ValueError("BaselineGlue.begin: group_ids must be integers (prompt-group ids)")
         self._rewards, self._group_ids = r, ids
         self.grads.start()
 
@@ -109,12 +117,7 @@ class BaselineGlue:
         t0 = time.perf_counter()
         self.grads.stop()
         n = self.grads.num_trajectories()
-        if n != self._rewards.numel():
-            raise RuntimeError(
-                f"BaselineGlue: the step trained {n} trajectories on this rank but begin() got "
-                f"{self._rewards.numel()} rewards; pass this DP rank's rewards in micro-batch order"
-            )
-        sq = self.grads.sq_norms()
+        sq = self._reduced_norms(n)
         res = min_variance_baseline(None, self._rewards.to(sq.device), sq, self._group_ids)
         self.grads.apply(res.advantages.to(torch.float32))
         held = self.grads.captured_bytes
@@ -147,6 +150,44 @@ class BaselineGlue:
         }
         self._rewards = self._group_ids = None
         return self._original(*args, **kwargs)
+
+    def _reduced_norms(self, n: int) -> torch.Tensor:
+        """The step's norms (TP and PP summed), or the same error on every rank.
+
+        A fault only one rank can see (its row count, a non-finite reward or norm) travels as a
+        flag inside the norms' own TP/PP all-reduce and one more all-reduce over DP, so that every
+        rank raises the same error before any gradient is written, instead of leaving its peers
+        waiting in megatron's DP all-reduce.
+        """
+        assert self._rewards is not None
+        local = self.grads.local_sq_norms()
+        rows_bad = n != self._rewards.numel()
+        rewards_bad = not bool(torch.isfinite(self._rewards).all())
+        flags = torch.tensor([float(rows_bad), float(rewards_bad)], device=local.device)
+        packed = torch.cat([local.to(flags.dtype), flags])
+        for group in (self.grads.tp_group, self.grads.pp_group):
+            if group is not None:
+                dist.all_reduce(packed, group=group)
+        sq = packed[:-2]
+        flags = torch.stack([packed[-2], packed[-1], (~torch.isfinite(sq)).any().to(flags.dtype)])
+        if self.dp_group is not None:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.dp_group)
+        rows_any, rewards_any, norms_any = (bool(f > 0) for f in flags)
+        if rows_any:
+            raise RuntimeError(
+                f"BaselineGlue: the step trained {n} trajectories on this rank but begin() got "
+                f"{self._rewards.numel()} rewards"
+                + ("" if rows_bad else " (on another rank: this rank's count was right)")
+                + "; pass each DP rank's rewards in micro-batch order"
+            )
+        if rewards_any or norms_any:
+            what = "a reward" if rewards_any else "a per-trajectory gradient norm"
+            where = "this rank" if (rewards_bad if rewards_any else norms_any) else "another rank"
+            raise NonFiniteBaselineInputError(
+                f"BaselineGlue: {what} is not finite ({where}; every rank raises this); check the "
+                "rewards and the loss (IS weights, log-probs) of this step"
+            )
+        return sq
 
     def metrics(self) -> dict[str, float]:
         """The last step's baseline metrics (DP-averaged): ``baseline_mean`` (mean b* over
