@@ -18,7 +18,9 @@ glue wraps ``model.config.finalize_model_grads_func``, which megatron's schedule
 step on every rank after the last backward and before the optimizer; there, before the DP
 all-reduce, it takes each trajectory's squared gradient norm (TP and PP summed), the baseline
 ``b*`` of each prompt group, and rewrites every parameter's gradient to the gradient of the
-loss with advantage ``R_i - b*``. The groups must lie within one DP rank (the demo's do).
+loss with advantage ``R_i - b*``. The groups must lie within one DP rank (the demo's do). The
+loss must be linear in each trajectory's coefficient: a KL or entropy term with a gradient would
+be scaled by ``R_i - b*`` as well.
 """
 
 from __future__ import annotations
