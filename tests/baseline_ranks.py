@@ -306,3 +306,54 @@ def dp_fault(kind: str) -> dict[str, Any]:
     kept = all(torch.equal(before[k], v) for k, v in grads(model).items())
     glue.remove()
     return {"error": error, "kept": kept, "reached": seen.get("reached", False)}
+
+
+def plain_autograd(defer: bool) -> dict[str, float]:
+    with megatron_on_cpu():  # megatron's attention forks the CUDA RNG tracker (a no-op here)
+        return _plain_autograd(defer)
+
+
+def _plain_autograd(defer: bool) -> dict[str, float]:
+    """Without DDP or megatron's schedule: ``loss.backward()`` per micro-batch, ``param.grad``.
+
+    Returns the largest relative errors of the norms and of the rewritten gradient against one
+    backward per trajectory, with coefficients that are not the advantages of any baseline.
+    """
+    from ess_patch.demo.policy import PolicySpec, build_policy, train_logprobs
+    from ess_patch.per_trajectory import PerTrajectoryGrads
+
+    torch.manual_seed(0)
+    model = build_policy(PolicySpec(max_len=24))
+    gen = torch.Generator().manual_seed(0)
+    n = 5
+    prompts = torch.randint(0, task_mod.VOCAB, (n, 8), generator=gen)
+    responses = torch.randint(0, task_mod.VOCAB, (n, 6), generator=gen)
+    w = torch.rand(n, 1, generator=gen) + 0.5
+    coeffs = torch.randn(n, generator=gen)
+
+    def loss(rows: slice) -> torch.Tensor:
+        return -(w[rows] * train_logprobs(model, prompts[rows], responses[rows])).sum() / n
+
+    params = list(model.parameters())
+    brute = []
+    for i in range(n):
+        model.zero_grad(set_to_none=True)
+        loss(slice(i, i + 1)).backward()
+        brute.append([p.grad.clone() for p in params])
+    model.zero_grad(set_to_none=True)
+    pg = PerTrajectoryGrads(model, defer_linear_weights=defer)
+    pg.start()
+    for rows in (slice(0, 3), slice(3, 5)):  # two micro-batches
+        loss(rows).backward()
+    pg.stop()
+    sq = pg.sq_norms()
+    pg.apply(coeffs)
+    want_sq = torch.stack([sum(g.double().square().sum() for g in gi) for gi in brute])
+    err_sq = float(((sq.double() - want_sq) / want_sq).abs().max())
+    err_g = 0.0
+    for k, p in enumerate(params):
+        want = sum(coeffs[i] * brute[i][k] for i in range(n))
+        err_g = max(err_g, float((p.grad - want).abs().max() / want.abs().max()))
+    frozen = [not p.requires_grad for p in params]
+    pg.remove()
+    return {"sq": err_sq, "grad": err_g, "any_frozen_after": float(any(frozen))}

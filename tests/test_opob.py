@@ -1,4 +1,4 @@
-"""The demo's BaselineGlue: its clear errors (on a real one-rank megatron setup).
+"""The demo's BaselineGlue: its clear errors, and PerTrajectoryGrads without DDP.
 
 Its numbers (norms, b*, the rewritten gradient) are checked against one backward per
 trajectory in tests/test_per_trajectory_dist.py.
@@ -7,7 +7,7 @@ trajectory in tests/test_per_trajectory_dist.py.
 from __future__ import annotations
 
 import pytest
-from baseline_ranks import dp_fault, glue_errors
+from baseline_ranks import dp_fault, glue_errors, plain_autograd
 from harness import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -41,3 +41,10 @@ def test_a_fault_on_one_dp_rank_raises_on_every_rank_before_any_write(
         assert r["kept"] and not r["reached"]
     assert mine in rank1["error"]
     assert other in rank0["error"]
+
+
+@pytest.mark.parametrize("defer", [True, False], ids=["deferred", "autograd-then-overwritten"])
+def test_per_trajectory_grads_without_ddp_write_param_grad(tmp_path, defer):
+    out = run_ranks(plain_autograd, args=(defer,), timeout=120, tmp_path=tmp_path)[0]
+    assert out["sq"] < 2e-5 and out["grad"] < 2e-5, out
+    assert out["any_frozen_after"] == 0.0  # stop() gave every weight its requires_grad back
