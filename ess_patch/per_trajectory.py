@@ -85,14 +85,15 @@ class _Piece:
 
     #: ``[b, *shape]`` when materialised, else None.
     full: torch.Tensor | None = None
-    #: factored: ``(x [b, s, i] or ids [b, s], delta [b, s, o])``.
+    #: factored: linear ``(x [s, b, i], delta [s, b, o])`` (megatron's layout), embedding
+    #: ``(local ids [b, s], delta [b, s, h])``.
     x: torch.Tensor | None = None
     delta: torch.Tensor | None = None
     #: ``[b]`` squared norms of a materialised piece, taken in the backward while it is hot.
     sq: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if self.full is not None:
+        if self.full is not None and self.sq is None:
             self.sq = torch.linalg.vector_norm(self.full.flatten(1), dim=1).square()
 
     def nbytes(self) -> int:
@@ -251,19 +252,25 @@ class PerTrajectoryGrads:
         out: dict[str, _Piece] = {}
         if site.kind == "embedding":
             return {"weight": self._embedding_piece(m, x, d.to(_ACC))}
-        x, d = x.transpose(0, 1).to(_ACC), d.transpose(0, 1).to(_ACC)  # [b, s, .]
+        x, d = x.to(_ACC), d.to(_ACC)  # megatron's [s, b, .]
         if site.kind == "linear":
             w = site.params.get("weight")
             out_local = m.weight.shape[0]
             if d.shape[-1] != out_local:  # gathered output (gather_output / runtime gather)
-                d = d.narrow(-1, self.tp_rank * out_local, out_local)
+                d = d.narrow(-1, self.tp_rank * out_local, out_local).contiguous()
             if w is not None:
-                s, i, o = x.shape[1], x.shape[2], d.shape[2]
+                s, i, o = x.shape[0], x.shape[2], d.shape[2]
+                xb, db = x.transpose(0, 1), d.transpose(0, 1)  # [b, s, .] views
                 if o * i <= self.materialise_ratio * s * (o + i):
-                    out["weight"] = _Piece(full=d.transpose(1, 2) @ x)
+                    out["weight"] = _Piece(full=db.transpose(1, 2) @ xb)
                 else:
-                    out["weight"] = _Piece(x=x, delta=d)
+                    # ghost norm now, while x and d are hot; they stay in megatron's layout,
+                    # where the rewrite's matmul reads them without a copy
+                    gram = (xb @ xb.transpose(1, 2)) * (db @ db.transpose(1, 2))
+                    out["weight"] = _Piece(x=x, delta=d, sq=gram.sum((1, 2)))
+            x, d = x.transpose(0, 1), d.transpose(0, 1)  # [b, s, .] for the bias
         else:  # layernorm
+            x, d = x.transpose(0, 1), d.transpose(0, 1)  # [b, s, .]
             if "weight" in site.params:
                 out["weight"] = _Piece(full=(d * self._normalised(m, x)).sum(1))
         if "bias" in site.params:
@@ -305,11 +312,9 @@ class PerTrajectoryGrads:
         if piece.sq is not None:
             return piece.sq
         x, d = piece.x, piece.delta
-        assert x is not None and d is not None
-        dd = d @ d.transpose(1, 2)
-        if kind == "embedding":  # x: local ids; pairs of tokens with the same row
-            return (dd * (x[:, :, None] == x[:, None, :])).sum((1, 2))
-        return ((x @ x.transpose(1, 2)) * dd).sum((1, 2))
+        assert kind == "embedding" and x is not None and d is not None
+        # x: local ids [b, s]; pairs of tokens with the same row
+        return ((d @ d.transpose(1, 2)) * (x[:, :, None] == x[:, None, :])).sum((1, 2))
 
     @staticmethod
     def _piece_grad(kind: str, piece: _Piece, c: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -317,10 +322,11 @@ class PerTrajectoryGrads:
             return (c @ piece.full.flatten(1)).view(shape)
         x, d = piece.x, piece.delta
         assert x is not None and d is not None
-        dc = d * c[:, None, None]
-        if kind == "embedding":
+        if kind == "embedding":  # [b, s] ids, [b, s, h]
+            dc = d * c[:, None, None]
             g = torch.zeros(shape, dtype=_ACC, device=d.device)
             return g.index_add_(0, x.flatten(), dc.reshape(-1, dc.shape[-1]))
+        dc = d * c[None, :, None]  # linear: megatron's [s, b, .]
         return dc.reshape(-1, dc.shape[-1]).T @ x.reshape(-1, x.shape[-1])
 
     def _check(self) -> None:
