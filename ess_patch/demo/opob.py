@@ -116,7 +116,7 @@ class BaselineGlue:
                 "loss carries no advantage, so this gradient would be wrong. Call glue.begin() "
                 "before forward_backward (or glue.remove() for an arm without the baseline)"
             )
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         self.grads.stop()
         n = self.grads.num_trajectories()
         sq = self._reduced_norms(n)
@@ -124,7 +124,7 @@ class BaselineGlue:
         self.grads.apply(res.advantages.to(torch.float32))
         held = self.grads.captured_bytes
         self.grads.clear()
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.thread_time() - c0
         stats = torch.tensor(
             [
                 float(res.baselines.sum()),
@@ -148,6 +148,7 @@ class BaselineGlue:
             "params_covered": 1.0,  # every trainable parameter has a rule, or the build raised
             "num_params": self.grads.num_params,
             "time_baseline_s": elapsed,
+            "cpu_baseline_s": cpu,
             "captured_bytes": held,
         }
         self._rewards = self._group_ids = None
@@ -195,8 +196,9 @@ class BaselineGlue:
         """The last step's baseline metrics (DP-averaged): ``baseline_mean`` (mean b* over
         groups), ``adv_abs_mean`` (mean ``|R - b*|``), ``sq_norm_mean``, ``fallback_groups``
         (groups with all-zero norms), ``params_covered`` (fraction), ``num_params`` (this rank),
-        ``time_baseline_s`` (this rank's norms + baseline + rewrite), ``captured_bytes`` (the
-        deferral's memory on this rank)."""
+        ``time_baseline_s`` / ``cpu_baseline_s`` (this rank's norms + baseline + rewrite, wall /
+        this thread's CPU time; the parts taken in the backward are not in it),
+        ``captured_bytes`` (the deferral's memory on this rank)."""
         return dict(self._metrics)
 
     def remove(self) -> None:
