@@ -31,9 +31,10 @@ How each parameter's per-trajectory gradient is held until ``apply()`` (per micr
   when ``V <= materialise_ratio * s``). Computed in the backward by a batched matmul that
   does the work of the weight-gradient matmul; the norm is then a square-sum and the rewrite
   a weighted sum over ``b``: no extra matmul, ``b*o*i`` floats held.
-* *factored*: the input and the output gradient, ``[b, s, i]`` and ``[b, s, o]`` held. The norm
-  is the "ghost" norm ``sum_st <x_s, x_t><d_s, d_t>`` (``b*s^2*(i+o)`` extra multiply-adds), the
-  rewrite the weight-gradient matmul.
+* *factored*: the input and the output gradient held (``[s, b, i]`` and ``[s, b, o]``, megatron's
+  layout, which the rewrite's matmul reads without a copy). The norm is the "ghost" norm
+  ``sum_st <x_s, x_t><d_s, d_t>``, taken in the backward (``b*s^2*(i+o)`` extra
+  multiply-adds); the rewrite is the weight-gradient matmul.
 
 With ``defer_linear_weights=True`` (the default) ``start()`` freezes the linear weights for
 the step (megatron's ``linear_with_frozen_weight`` path) so that autograd does not compute
