@@ -8,6 +8,8 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
+from .early_warning import DEFAULT_PATIENCE, DEFAULT_THRESHOLD, check_rule
+
 __all__ = [
     "CHOICES",
     "FINGERPRINT_SIZE",
@@ -140,6 +142,25 @@ class EssLrConfig:
         },
     )
 
+    #: The early warning (``ess_patch.early_warning``): rho below ``warn_threshold`` for
+    #: ``warn_patience`` consecutive results logs one warning (shadow mode included). Logging
+    #: only: no LR depends on it.
+    warn_threshold: float = field(
+        default=DEFAULT_THRESHOLD,
+        metadata={
+            HELP: "Early warning: log a WARNING when rho stays below this for --ess-lr-warn-"
+            "patience results in a row (VCPO: ESS collapse precedes training collapse; its "
+            "synchronous runs hold rho ~0.7 with product weights). Logging only; 0: off."
+        },
+    )
+    warn_patience: int = field(
+        default=DEFAULT_PATIENCE,
+        metadata={
+            HELP: "Early warning: consecutive results below --ess-lr-warn-threshold before it "
+            "warns (once per episode; re-armed after as many at or above it)."
+        },
+    )
+
     def __post_init__(self) -> None:
         floor = _as_float("floor", self.floor)
         if not 0.0 < floor <= 1.0:
@@ -162,6 +183,9 @@ class EssLrConfig:
         object.__setattr__(self, "shadow", _as_bool("shadow", self.shadow))
         object.__setattr__(self, "weight_clip", _weight_clip(self.weight_clip))
         object.__setattr__(self, "calibrate_rollouts", _calibration(self.calibrate_rollouts))
+        threshold, patience = check_rule(self.warn_threshold, self.warn_patience)
+        object.__setattr__(self, "warn_threshold", threshold)
+        object.__setattr__(self, "warn_patience", patience)
 
     def fingerprint(self) -> list[float]:
         """One float per field, equal on two ranks exactly when that field is equal.
@@ -176,7 +200,8 @@ class EssLrConfig:
         """Build a config from ``ESS_LR_FLOOR``, ``ESS_LR_WEIGHT_MODE``, ``ESS_LR_RULE``,
         ``ESS_LR_BASE_RATIO``, ``ESS_LR_NONFINITE``, ``ESS_LR_SHADOW`` (1/0/true/false),
         ``ESS_LR_GRANULARITY``, ``ESS_LR_WEIGHT_CLIP`` (a number, or ``none``),
-        ``ESS_LR_CALIBRATE_ROLLOUTS`` (an integer >= 0); explicit ``overrides`` win.
+        ``ESS_LR_CALIBRATE_ROLLOUTS`` (an integer >= 0), ``ESS_LR_WARN_THRESHOLD`` (in [0, 1]),
+        ``ESS_LR_WARN_PATIENCE`` (an integer >= 1); explicit ``overrides`` win.
 
         Raises:
             ValueError: a variable holds a value its field does not take; the message names
@@ -205,6 +230,8 @@ _ALLOWED = {
     "shadow": "1, 0, true or false",
     "weight_clip": "a finite number > 0, or none (no clipping)",
     "calibrate_rollouts": "an integer >= 0, the rollouts to calibrate on (0: off)",
+    "warn_threshold": "a number in [0, 1], the rho the early warning watches for (0: off)",
+    "warn_patience": "an integer >= 1, the results in a row below the warning threshold",
     **{name: ", ".join(choices) for name, choices in CHOICES.items()},
 }
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 __all__ = [
     "DEFAULT_PATIENCE",
     "DEFAULT_THRESHOLD",
+    "MEANING",
     "EarlyWarning",
     "RunScore",
     "WarningScore",
@@ -44,6 +45,12 @@ __all__ = [
 DEFAULT_THRESHOLD = 0.2
 #: Consecutive results below the threshold before the rule fires (and above it to re-arm).
 DEFAULT_PATIENCE = 3
+#: What a firing means, for the messages that report one (shadow mode's log, ``analyze``).
+MEANING = (
+    "VCPO (arXiv 2602.17616) finds that in stale off-policy RL the ESS collapses before "
+    "training does: the policy has drifted from the one that sampled the rollouts, and the "
+    "importance-weighted gradient rests on a few trajectories. Watch reward and gradient norm"
+)
 
 
 def check_rule(threshold: object, patience: object) -> tuple[float, int]:

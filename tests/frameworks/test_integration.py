@@ -163,6 +163,8 @@ def test_parser_accepts_the_flags_and_changes_no_default(fw, clean_ess):
         "ess_lr_granularity",
         "ess_lr_weight_clip",
         "ess_lr_calibrate_rollouts",
+        "ess_lr_warn_threshold",
+        "ess_lr_warn_patience",
     }
     before = {k: repr(v) for k, v in vars(plain).items()}
     after = {k: repr(v) for k, v in vars(off).items() if k not in ours}
