@@ -16,7 +16,7 @@ import sys
 
 from .config import EssLrConfig
 from .early_warning import MEANING, EarlyWarning
-from .result import EssLrResult
+from .result import UNMEASURED, EssLrResult
 from .state import STATE
 
 __all__ = ["observe", "restart"]
@@ -48,8 +48,8 @@ def observe(result: EssLrResult, config: EssLrConfig, *, applied: bool, framewor
     if (
         config.warn_threshold <= 0.0
         or STATE.role != "policy"
-        or not result.measured
-        or result.status == "manual"
+        # attributes, not result.measured: no call back into result.py on the hook's path
+        or result.status in (*UNMEASURED, "manual")
         or not math.isfinite(result.rho)
     ):
         return False

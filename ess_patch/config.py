@@ -8,10 +8,10 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
-from .early_warning import DEFAULT_PATIENCE, DEFAULT_THRESHOLD, check_rule
-
 __all__ = [
     "CHOICES",
+    "DEFAULT_PATIENCE",
+    "DEFAULT_THRESHOLD",
     "FINGERPRINT_SIZE",
     "GRANULARITIES",
     "HELP",
@@ -19,6 +19,7 @@ __all__ = [
     "RULES",
     "WEIGHT_MODES",
     "EssLrConfig",
+    "check_rule",
     "describe_fingerprint",
 ]
 
@@ -34,6 +35,13 @@ NONFINITE_POLICIES = ("raise", "floor")
 #: seed). "step": one ESS per optimizer step, over the trajectories of that step's mini-batch
 #: (VCPO's code); the host integration splits the rollout as its train loop does.
 GRANULARITIES = ("rollout", "step")
+
+#: The early warning's threshold (``ess_patch.early_warning``): below the healthy band VCPO
+#: reports (synchronous ~0.7, ESS-scaled 0.3-0.6), above the ~0 of a collapsing run.
+DEFAULT_THRESHOLD = 0.2
+#: Consecutive results below the threshold before the rule fires (and above it to re-arm).
+DEFAULT_PATIENCE = 3
+
 
 _ENV_PREFIX = "ESS_LR_"
 #: The key of a field's help text in its ``metadata`` (the ``--ess-lr-*`` options are
@@ -274,20 +282,51 @@ def _weight_clip(value: object) -> float | None:
 _MAX_CALIBRATION = 1_000_000
 
 
-def _calibration(value: object) -> int:
-    # from_env and the options hand strings over: "4" yes; "4.5", "-1", True no
+def _whole(value: object) -> int | None:
+    """``value`` as a whole number, or None. From_env and the options hand strings over:
+    "4" and 4.0 yes; "4.5", "-1" (a sign), True no."""
     text = value.strip() if isinstance(value, str) else value
     if isinstance(text, str) and text.lstrip("+").isdecimal():
         text = int(text)
     if isinstance(text, float) and text.is_integer():
         text = int(text)
-    if isinstance(text, bool) or not isinstance(text, int) or not 0 <= text <= _MAX_CALIBRATION:
+    return None if isinstance(text, bool) or not isinstance(text, int) else text
+
+
+def _calibration(value: object) -> int:
+    text = _whole(value)
+    if text is None or not 0 <= text <= _MAX_CALIBRATION:
         raise ValueError(
             f"EssLrConfig.calibrate_rollouts={value!r} must be a whole number of rollouts in "
             f"[0, {_MAX_CALIBRATION}]: the base ratio is calibrated from the mean rho of the "
             "first that many measured rollouts (0: off, base_ratio as given)"
         )
     return text
+
+
+def check_rule(threshold: object, patience: object) -> tuple[float, int]:
+    """``(threshold, patience)`` as numbers, or ``ValueError`` naming the bad one.
+
+    ``threshold`` in [0, 1] (0: the rule never fires, rho is never below 0); ``patience`` a
+    whole number >= 1."""
+    if isinstance(threshold, bool):
+        raise ValueError(f"early-warning threshold {threshold!r} must be a number, not a bool")
+    try:
+        value = float(threshold)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"early-warning threshold {threshold!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:  # NaN fails too
+        raise ValueError(
+            f"early-warning threshold {threshold!r} must be in [0, 1]: the rule fires when rho "
+            f"(ESS / B, in (0, 1]) stays below it (default {DEFAULT_THRESHOLD}; 0 turns it off)"
+        )
+    whole = _whole(patience)
+    if whole is None or whole < 1:
+        raise ValueError(
+            f"early-warning patience {patience!r} must be a whole number >= 1: the consecutive "
+            f"results below the threshold before it fires (default {DEFAULT_PATIENCE})"
+        )
+    return value, whole
 
 
 _TRUE = ("1", "true")

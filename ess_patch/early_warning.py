@@ -26,6 +26,9 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+# the rule's settings are EssLrConfig fields (warn_threshold, warn_patience): checked there
+from .config import DEFAULT_PATIENCE, DEFAULT_THRESHOLD, check_rule
+
 __all__ = [
     "DEFAULT_PATIENCE",
     "DEFAULT_THRESHOLD",
@@ -40,46 +43,12 @@ __all__ = [
     "lead_time",
 ]
 
-#: Below the healthy band VCPO reports (synchronous ~0.7, ESS-scaled 0.3-0.6), above the ~0
-#: of a collapsing run.
-DEFAULT_THRESHOLD = 0.2
-#: Consecutive results below the threshold before the rule fires (and above it to re-arm).
-DEFAULT_PATIENCE = 3
 #: What a firing means, for the messages that report one (shadow mode's log, ``analyze``).
 MEANING = (
     "VCPO (arXiv 2602.17616) finds that in stale off-policy RL the ESS collapses before "
     "training does: the policy has drifted from the one that sampled the rollouts, and the "
     "importance-weighted gradient rests on a few trajectories. Watch reward and gradient norm"
 )
-
-
-def check_rule(threshold: object, patience: object) -> tuple[float, int]:
-    """``(threshold, patience)`` as numbers, or ``ValueError`` naming the bad one.
-
-    ``threshold`` in [0, 1] (0: the rule never fires, rho is never below 0); ``patience`` a
-    whole number >= 1."""
-    if isinstance(threshold, bool):
-        raise ValueError(f"early-warning threshold {threshold!r} must be a number, not a bool")
-    try:
-        value = float(threshold)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise ValueError(f"early-warning threshold {threshold!r} is not a number") from None
-    if not 0.0 <= value <= 1.0:  # NaN fails too
-        raise ValueError(
-            f"early-warning threshold {threshold!r} must be in [0, 1]: the rule fires when rho "
-            f"(ESS / B, in (0, 1]) stays below it (default {DEFAULT_THRESHOLD}; 0 turns it off)"
-        )
-    text = patience.strip() if isinstance(patience, str) else patience
-    if isinstance(text, str) and text.lstrip("+").isdecimal():
-        text = int(text)
-    if isinstance(text, float) and text.is_integer():
-        text = int(text)
-    if isinstance(text, bool) or not isinstance(text, int) or text < 1:
-        raise ValueError(
-            f"early-warning patience {patience!r} must be a whole number >= 1: the consecutive "
-            f"results below the threshold before it fires (default {DEFAULT_PATIENCE})"
-        )
-    return value, text
 
 
 def _rho(value: object) -> float:
