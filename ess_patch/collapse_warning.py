@@ -1,5 +1,5 @@
 """The early warning, live: every measured result of the run goes to the rule
-(:mod:`ess_patch.early_warning`), and one WARNING says so when it fires.
+(``ess_patch.early_warning``), and one WARNING says so when it fires.
 
 The integrations call :func:`observe` once per result they compute (once per rollout, or per
 optimizer step with granularity "step"), on every rank alike, in shadow mode and with ESS-LR

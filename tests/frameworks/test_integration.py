@@ -586,6 +586,45 @@ def test_miles_shadow_mode_logs_the_would_be_scale_and_changes_no_parameter(
         assert "train/loss" in record
 
 
+@_needs(FULL, "miles")
+@pytest.mark.parametrize("collapsing", [True, False], ids=["below", "above"])
+def test_miles_shadow_mode_warns_once_when_rho_stays_below_the_threshold(
+    world, clean_ess, monkeypatch, caplog, collapsing
+):
+    """Three rollouts through miles' real advantage hook in shadow mode, the warning's
+    threshold just above (or below) the rollout's rho, patience 2: one WARNING at rollout 1
+    (or none), and nothing armed."""
+    import logging
+
+    import miles.backends.megatron_utils.actor as actor_module
+
+    batch = _one_rollout_batch()
+    ref = reference_ess(
+        batch["log_probs"], batch["rollout_log_probs"], batch["loss_masks"], mode="product"
+    )
+    threshold = ref["rho"] * (1.01 if collapsing else 0.99)
+    _install(["megatron", "miles"])
+    argv = [*MINIMAL_ARGV, "--ess-lr-shadow", "--ess-lr-weight-mode", "product"]
+    argv += ["--ess-lr-warn-threshold", repr(threshold), "--ess-lr-warn-patience", "2"]
+    args = parse_upstream_args("miles", argv)
+    from megatron.training.global_vars import set_args
+
+    set_args(args)
+    miles_parallel_state()
+    with caplog.at_level(logging.WARNING, logger="ess_patch.collapse_warning"):
+        for _ in range(3):
+            actor_module.compute_advantages_and_returns(args, _one_rollout_batch())
+    messages = [r.getMessage() for r in caplog.records if r.name == "ess_patch.collapse_warning"]
+    assert ess_patch.armed() is None  # shadow mode: no LR is ever scaled
+    if not collapsing:
+        assert messages == []
+        return
+    [message] = messages
+    assert message.startswith("ess-patch (miles): ESS early warning at rollout 1 ")
+    assert f"rho {ref['rho']:.3g}, {ref['rho']:.3g} over rollouts 0-1" in message
+    assert "shadow mode" in message and "--use-ess-lr" in message
+
+
 @_needs(FULL, "slime")
 def test_slime_train_log_gets_the_metrics(clean_ess, monkeypatch):
     import slime.observability.logging_utils as logging_utils
