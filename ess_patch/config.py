@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, fields
 
 __all__ = [
     "CHOICES",
+    "DEFAULT_PATIENCE",
+    "DEFAULT_THRESHOLD",
     "FINGERPRINT_SIZE",
     "GRANULARITIES",
     "HELP",
@@ -17,6 +19,7 @@ __all__ = [
     "RULES",
     "WEIGHT_MODES",
     "EssLrConfig",
+    "check_rule",
     "describe_fingerprint",
 ]
 
@@ -32,6 +35,13 @@ NONFINITE_POLICIES = ("raise", "floor")
 #: seed). "step": one ESS per optimizer step, over the trajectories of that step's mini-batch
 #: (VCPO's code); the host integration splits the rollout as its train loop does.
 GRANULARITIES = ("rollout", "step")
+
+#: The early warning's threshold (``ess_patch.early_warning``): below the healthy band VCPO
+#: reports (synchronous ~0.7, ESS-scaled 0.3-0.6), above the ~0 of a collapsing run.
+DEFAULT_THRESHOLD = 0.2
+#: Consecutive results below the threshold before the rule fires (and above it to re-arm).
+DEFAULT_PATIENCE = 3
+
 
 _ENV_PREFIX = "ESS_LR_"
 #: The key of a field's help text in its ``metadata`` (the ``--ess-lr-*`` options are
@@ -140,6 +150,25 @@ class EssLrConfig:
         },
     )
 
+    #: The early warning (``ess_patch.early_warning``): rho below ``warn_threshold`` for
+    #: ``warn_patience`` consecutive results logs one warning (shadow mode included). Logging
+    #: only: no LR depends on it.
+    warn_threshold: float = field(
+        default=DEFAULT_THRESHOLD,
+        metadata={
+            HELP: "Early warning: log a WARNING when rho stays below this for --ess-lr-warn-"
+            "patience results in a row (VCPO: ESS collapse precedes training collapse; its "
+            "synchronous runs hold rho ~0.7 with product weights). Logging only; 0: off."
+        },
+    )
+    warn_patience: int = field(
+        default=DEFAULT_PATIENCE,
+        metadata={
+            HELP: "Early warning: consecutive results below --ess-lr-warn-threshold before it "
+            "warns (once per episode; re-armed after as many at or above it)."
+        },
+    )
+
     def __post_init__(self) -> None:
         floor = _as_float("floor", self.floor)
         if not 0.0 < floor <= 1.0:
@@ -162,6 +191,9 @@ class EssLrConfig:
         object.__setattr__(self, "shadow", _as_bool("shadow", self.shadow))
         object.__setattr__(self, "weight_clip", _weight_clip(self.weight_clip))
         object.__setattr__(self, "calibrate_rollouts", _calibration(self.calibrate_rollouts))
+        threshold, patience = check_rule(self.warn_threshold, self.warn_patience)
+        object.__setattr__(self, "warn_threshold", threshold)
+        object.__setattr__(self, "warn_patience", patience)
 
     def fingerprint(self) -> list[float]:
         """One float per field, equal on two ranks exactly when that field is equal.
@@ -176,7 +208,8 @@ class EssLrConfig:
         """Build a config from ``ESS_LR_FLOOR``, ``ESS_LR_WEIGHT_MODE``, ``ESS_LR_RULE``,
         ``ESS_LR_BASE_RATIO``, ``ESS_LR_NONFINITE``, ``ESS_LR_SHADOW`` (1/0/true/false),
         ``ESS_LR_GRANULARITY``, ``ESS_LR_WEIGHT_CLIP`` (a number, or ``none``),
-        ``ESS_LR_CALIBRATE_ROLLOUTS`` (an integer >= 0); explicit ``overrides`` win.
+        ``ESS_LR_CALIBRATE_ROLLOUTS`` (an integer >= 0), ``ESS_LR_WARN_THRESHOLD`` (in [0, 1]),
+        ``ESS_LR_WARN_PATIENCE`` (an integer >= 1); explicit ``overrides`` win.
 
         Raises:
             ValueError: a variable holds a value its field does not take; the message names
@@ -205,6 +238,8 @@ _ALLOWED = {
     "shadow": "1, 0, true or false",
     "weight_clip": "a finite number > 0, or none (no clipping)",
     "calibrate_rollouts": "an integer >= 0, the rollouts to calibrate on (0: off)",
+    "warn_threshold": "a number in [0, 1], the rho the early warning watches for (0: off)",
+    "warn_patience": "an integer >= 1, the results in a row below the warning threshold",
     **{name: ", ".join(choices) for name, choices in CHOICES.items()},
 }
 
@@ -247,20 +282,51 @@ def _weight_clip(value: object) -> float | None:
 _MAX_CALIBRATION = 1_000_000
 
 
-def _calibration(value: object) -> int:
-    # from_env and the options hand strings over: "4" yes; "4.5", "-1", True no
+def _whole(value: object) -> int | None:
+    """``value`` as a whole number, or None. From_env and the options hand strings over:
+    "4" and 4.0 yes; "4.5", "-1" (a sign), True no."""
     text = value.strip() if isinstance(value, str) else value
     if isinstance(text, str) and text.lstrip("+").isdecimal():
         text = int(text)
     if isinstance(text, float) and text.is_integer():
         text = int(text)
-    if isinstance(text, bool) or not isinstance(text, int) or not 0 <= text <= _MAX_CALIBRATION:
+    return None if isinstance(text, bool) or not isinstance(text, int) else text
+
+
+def _calibration(value: object) -> int:
+    text = _whole(value)
+    if text is None or not 0 <= text <= _MAX_CALIBRATION:
         raise ValueError(
             f"EssLrConfig.calibrate_rollouts={value!r} must be a whole number of rollouts in "
             f"[0, {_MAX_CALIBRATION}]: the base ratio is calibrated from the mean rho of the "
             "first that many measured rollouts (0: off, base_ratio as given)"
         )
     return text
+
+
+def check_rule(threshold: object, patience: object) -> tuple[float, int]:
+    """``(threshold, patience)`` as numbers, or ``ValueError`` naming the bad one.
+
+    ``threshold`` in [0, 1] (0: the rule never fires, rho is never below 0); ``patience`` a
+    whole number >= 1."""
+    if isinstance(threshold, bool):
+        raise ValueError(f"early-warning threshold {threshold!r} must be a number, not a bool")
+    try:
+        value = float(threshold)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"early-warning threshold {threshold!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:  # NaN fails too
+        raise ValueError(
+            f"early-warning threshold {threshold!r} must be in [0, 1]: the rule fires when rho "
+            f"(ESS / B, in (0, 1]) stays below it (default {DEFAULT_THRESHOLD}; 0 turns it off)"
+        )
+    whole = _whole(patience)
+    if whole is None or whole < 1:
+        raise ValueError(
+            f"early-warning patience {patience!r} must be a whole number >= 1: the consecutive "
+            f"results below the threshold before it fires (default {DEFAULT_PATIENCE})"
+        )
+    return value, whole
 
 
 _TRUE = ("1", "true")

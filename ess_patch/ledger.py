@@ -20,6 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from . import collapse_warning
 from .config import EssLrConfig
 from .result import EssLrResult, check_scale
 from .state import STATE, StepCountError, is_scaled
@@ -136,6 +137,7 @@ def _step_result(run: LedgerRun) -> EssLrResult | None:
             "policy loss patched (ess_patch.install())?"
         )
     result = reduce_tables(tables, error, run)
+    collapse_warning.observe(result, run.config, applied=not run.shadow, framework=run.framework)
     if run.shadow:
         STATE.shadow = result
         return None

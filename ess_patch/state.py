@@ -67,6 +67,9 @@ class _EssState:
     # (another config starts a new calibration); reset() starts a new calibration
     calibration: tuple[float, float] = (0.0, 0.0)
     calibration_key: tuple[float, ...] | None = None
+    # the early-warning rule fed with this process's results (collapse_warning.py); a new rule
+    # (another threshold or patience) or reset() starts it over
+    early_warning: Any = None
 
 
 STATE = _EssState()
@@ -105,6 +108,7 @@ def reset() -> None:
     STATE.ledger_error = None
     STATE.calibration = (0.0, 0.0)
     STATE.calibration_key = None
+    STATE.early_warning = None
 
 
 def arm(result_or_scale: EssLrResult | float) -> EssLrResult:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..config import RULES, WEIGHT_MODES
+from ..config import DEFAULT_PATIENCE, DEFAULT_THRESHOLD, RULES, WEIGHT_MODES, check_rule
 
 __all__ = ["add_parser", "run"]
 
@@ -27,6 +27,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--weight-mode", nargs="+", choices=WEIGHT_MODES, default=list(WEIGHT_MODES))
     p.add_argument("--rule", nargs="+", choices=RULES, default=list(RULES))
     p.add_argument("--floor", nargs="+", type=float, default=[0.1, 0.3])
+    p.add_argument(
+        "--warn-threshold",
+        type=float,
+        default=DEFAULT_THRESHOLD,
+        help="early warning: rho below this for --warn-patience rollouts in a row "
+        f"(default {DEFAULT_THRESHOLD}, VCPO's product-weight band; 0: off)",
+    )
+    p.add_argument(
+        "--warn-patience",
+        type=int,
+        default=DEFAULT_PATIENCE,
+        help="early warning: rollouts in a row below --warn-threshold "
+        f"(default {DEFAULT_PATIENCE})",
+    )
     p.add_argument("--no-figure", action="store_true", help="skip analyze.png (no matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -38,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         settings = default_settings(args.weight_mode, args.rule, args.floor)
+        check_rule(args.warn_threshold, args.warn_patience)
     except ValueError as exc:
         print(f"ess-patch analyze: {exc}", file=sys.stderr)
         return 2
@@ -54,7 +69,13 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         result = analyze(
-            args.paths, args.out, settings, progress=progress, figure=not args.no_figure
+            args.paths,
+            args.out,
+            settings,
+            progress=progress,
+            figure=not args.no_figure,
+            warn_threshold=args.warn_threshold,
+            warn_patience=args.warn_patience,
         )
     except DumpError as exc:
         if bar is not None:
@@ -78,5 +99,8 @@ def run(args: argparse.Namespace) -> int:
     if result.advice is not None:
         print("\nWhich weights for this run (docs/which-weights.md):")
         print("\n".join(f"  {line}" for line in result.advice.lines))
+    if result.warnings:
+        print("\nEarly warning (ESS collapse precedes training collapse, VCPO):")
+        print("\n".join(f"  {w.text()}" for w in result.warnings))
     print(f"outputs in {result.out_dir.resolve()}")
     return 0

@@ -12,14 +12,22 @@ import csv
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..compute import compute_ess_lr
-from ..config import RULES, WEIGHT_MODES, EssLrConfig
+from ..config import (
+    DEFAULT_PATIENCE,
+    DEFAULT_THRESHOLD,
+    RULES,
+    WEIGHT_MODES,
+    EssLrConfig,
+    check_rule,
+)
 from .advice import Advice, TokenStats, advise, evidence, token_stats
 from .assemble import discover, iter_rollouts
 from .read import DumpError
+from .warning import RunWarning, early_warnings
 
 __all__ = ["OUTPUT_NAMES", "AnalyzeResult", "Setting", "analyze", "default_settings"]
 
@@ -66,6 +74,8 @@ class AnalyzeResult:
     out_dir: Path
     num_rollouts: int
     advice: Advice | None = None
+    #: the early warning per weight mode replayed (:mod:`.warning`)
+    warnings: list[RunWarning] = field(default_factory=list)
 
 
 def analyze(
@@ -75,14 +85,20 @@ def analyze(
     *,
     progress: Callable[[int], Callable[[], None]] | None = None,
     figure: bool = True,
+    warn_threshold: float = DEFAULT_THRESHOLD,
+    warn_patience: int = DEFAULT_PATIENCE,
 ) -> AnalyzeResult:
     """Replay ``settings`` over the dumps under ``paths``; write the outputs into ``out``.
 
-    ``progress(total)`` returns a per-rollout tick (the CLI passes a tqdm bar).
+    ``progress(total)`` returns a per-rollout tick (the CLI passes a tqdm bar);
+    ``warn_threshold`` / ``warn_patience``: the early-warning rule run over each weight mode's
+    rho series (:mod:`ess_patch.early_warning`; a threshold of 0: none).
 
     Raises:
         DumpError: bad input (nothing is written then, except an already existing ``out``).
+        ValueError: a bad ``warn_threshold`` or ``warn_patience`` (before any file is read).
     """
+    check_rule(warn_threshold, warn_patience)
     settings = default_settings() if settings is None else list(settings)
     out = Path(out)
     groups = discover([Path(p) for p in paths])
@@ -127,16 +143,23 @@ def analyze(
     summary = _summarize(rows, settings)
     table = _table(summary)
     advice = advise(evidence(stats, advice_scales["geometric"], advice_scales["product"]))
+    warnings = (
+        early_warnings(rows, threshold=warn_threshold, patience=warn_patience)
+        if warn_threshold > 0
+        else []
+    )
     out_dir = _prepare_out(Path(out))
     _write_csv(out_dir / "per_rollout.csv", rows)
     advice_md = "\n".join(f"- {line}" for line in advice.lines)
+    warning_md = "".join(f"\n- {w.text()}" for w in warnings)
     (out_dir / "summary.md").write_text(
         f"{table}\n\n## Which weights for this run\n\n{advice_md}\n"
+        + (f"\n## Early warning (ESS collapse)\n{warning_md}\n" if warnings else "")
     )
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if figure:
         _figure(out_dir / "analyze.png", rows, settings)
-    return AnalyzeResult(rows, summary, table, out_dir, len(groups), advice)
+    return AnalyzeResult(rows, summary, table, out_dir, len(groups), advice, warnings)
 
 
 def _prepare_out(out: Path) -> Path:

@@ -42,6 +42,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .. import collapse_warning
 from ..patching import MissingTargetError, Target
 from ..state import STATE, arm, armed, disarm
 from . import Integration
@@ -424,6 +425,8 @@ def _compute_and_arm(args: Any, build: Callable[[], Rows], shadow: bool = False)
         error = _agree(result, error, group, name, config)  # no collective on a group of one
     if error is not None:
         raise error
+    assert result is not None  # no error: computed
+    collapse_warning.observe(result, config, applied=not shadow, framework=NAME)
     if shadow:
         STATE.shadow = result
         logger.debug("ess-patch (%s): shadow %s", NAME, result)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from .. import ledger
+from .. import collapse_warning, ledger
 from ..config import EssLrConfig
 from ..patching import MissingTargetError, Target
 from ..result import EssLrResult
@@ -232,6 +232,7 @@ def advantage_wrapper(framework: Framework) -> Callable[..., Any]:
         if _start_ledger(framework, host_args, config, rollout_data, groups, shadow=not enabled):
             return out
         result = compute_from_rollout(framework, host_args, rollout_data, groups, config)
+        collapse_warning.observe(result, config, applied=enabled, framework=framework.name)
         if enabled:
             arm(result)
         else:

@@ -70,6 +70,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .. import collapse_warning
 from ..config import EssLrConfig
 from ..patching import MissingTargetError, Target
 from ..result import EssLrResult
@@ -188,7 +189,10 @@ def compute_batch(data: Any, config: EssLrConfig, groups: Groups | None = None) 
             out = compute_ess_lr(*rows, config=config, dp_group=groups.dp_group, error=fault)
     except Exception as exc:
         error = exc  # the other pipeline stages learn of it through the broadcast
-    return broadcast_from_last_stage(out, groups.pp_group, config=config, error=error)
+    result = broadcast_from_last_stage(out, groups.pp_group, config=config, error=error)
+    # verl's shadow mode is the config's (settings(): enable and shadow never both on)
+    collapse_warning.observe(result, config, applied=not config.shadow, framework="verl")
+    return result
 
 
 # --- adapters ----------------------------------------------------------------------------------

@@ -163,6 +163,8 @@ def test_parser_accepts_the_flags_and_changes_no_default(fw, clean_ess):
         "ess_lr_granularity",
         "ess_lr_weight_clip",
         "ess_lr_calibrate_rollouts",
+        "ess_lr_warn_threshold",
+        "ess_lr_warn_patience",
     }
     before = {k: repr(v) for k, v in vars(plain).items()}
     after = {k: repr(v) for k, v in vars(off).items() if k not in ours}
@@ -582,6 +584,52 @@ def test_miles_shadow_mode_logs_the_would_be_scale_and_changes_no_parameter(
         assert record["train/ess"] == shadow.ess
         assert record["train/ess_num_trajectories"] == 8
         assert "train/loss" in record
+
+
+@_needs(FULL, "miles")
+@pytest.mark.parametrize("collapsing", [True, False], ids=["below", "above"])
+def test_miles_shadow_mode_warns_once_when_rho_stays_below_the_threshold(
+    world, clean_ess, collapsing
+):
+    """Three rollouts through miles' real advantage hook in shadow mode, the warning's
+    threshold just above (or below) the rollout's rho, patience 2: one WARNING at rollout 1
+    (or none), and nothing armed."""
+    import logging
+
+    import miles.backends.megatron_utils.actor as actor_module
+
+    batch = _one_rollout_batch()
+    ref = reference_ess(
+        batch["log_probs"], batch["rollout_log_probs"], batch["loss_masks"], mode="product"
+    )
+    threshold = ref["rho"] * (1.01 if collapsing else 0.99)
+    _install(["megatron", "miles"])
+    argv = [*MINIMAL_ARGV, "--ess-lr-shadow", "--ess-lr-weight-mode", "product"]
+    argv += ["--ess-lr-warn-threshold", repr(threshold), "--ess-lr-warn-patience", "2"]
+    args = parse_upstream_args("miles", argv)
+    from megatron.training.global_vars import set_args
+
+    set_args(args)
+    miles_parallel_state()
+    # a handler on the logger itself: the host's logging set-up may replace the root's handlers
+    messages: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("ess_patch.collapse_warning")
+    logger.addHandler(handler)
+    try:
+        for _ in range(3):
+            actor_module.compute_advantages_and_returns(args, _one_rollout_batch())
+    finally:
+        logger.removeHandler(handler)
+    assert ess_patch.armed() is None  # shadow mode: no LR is ever scaled
+    if not collapsing:
+        assert messages == []
+        return
+    [message] = messages
+    assert message.startswith("ess-patch (miles): ESS early warning at rollout 1 ")
+    assert f"rho {ref['rho']:.3g}, {ref['rho']:.3g} over rollouts 0-1" in message
+    assert "shadow mode" in message and "--use-ess-lr" in message
 
 
 @_needs(FULL, "slime")

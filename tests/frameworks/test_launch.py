@@ -41,6 +41,8 @@ FLAGS = EssLrConfig(
     granularity="step",
     weight_clip=3.0,
     calibrate_rollouts=3,
+    warn_threshold=0.5,
+    warn_patience=2,
 )
 FLAG_ARGV = [
     "--ess-lr-floor",
@@ -59,6 +61,10 @@ FLAG_ARGV = [
     "3",
     "--ess-lr-calibrate-rollouts",
     "3",
+    "--ess-lr-warn-threshold",
+    "0.5",
+    "--ess-lr-warn-patience",
+    "2",
 ]
 ENV = {
     "ESS_LR_FLOOR": "0.3",
@@ -69,6 +75,8 @@ ENV = {
     "ESS_LR_GRANULARITY": "step",
     "ESS_LR_WEIGHT_CLIP": "5",
     "ESS_LR_CALIBRATE_ROLLOUTS": "2",
+    "ESS_LR_WARN_THRESHOLD": "0.4",
+    "ESS_LR_WARN_PATIENCE": "4",
 }
 FROM_ENV = EssLrConfig(
     floor=0.3,
@@ -79,6 +87,8 @@ FROM_ENV = EssLrConfig(
     granularity="step",
     weight_clip=5.0,
     calibrate_rollouts=2,
+    warn_threshold=0.4,
+    warn_patience=4,
 )
 DISABLE = "--disable-compute-advantages-and-returns"
 CASES = {
