@@ -69,10 +69,32 @@ def has_legacy_actor(src: Path) -> bool:
     return (src / "verl" / "workers" / "actor" / "megatron_actor.py").is_file()
 
 
+def has_engine_path(src: Path) -> bool:
+    """Whether the tree has the engine path's workers (from verl v0.7.0)."""
+    return (src / "verl" / "workers" / "engine_workers.py").is_file()
+
+
+def path_shape(src: Path) -> str:
+    """The actor path(s) ``install("verl")`` must detect in the tree, by what the tree has."""
+    legacy, engine = has_legacy_actor(src), has_engine_path(src)
+    if legacy and engine:
+        return "actor through the legacy Megatron actor and the engine path"
+    return (
+        "actor through the legacy Megatron actor (no engine path)"
+        if legacy
+        else ("actor through the engine path (no legacy actor)")
+    )
+
+
 SKIP = _skip_reason()
 SNAPSHOTS = verl_snapshots()
-#: the snapshots with the legacy Megatron actor (v0.7.0, @b178a3cd5): its tests run there only
+#: the snapshots with the legacy Megatron actor (v0.6.0, v0.7.0, @b178a3cd5): its tests run
+#: there only
 LEGACY = [p for p in SNAPSHOTS if has_legacy_actor(p)]
+#: the legacy actor without the engine path (v0.6.x)
+LEGACY_ONLY = [p for p in LEGACY if not has_engine_path(p)]
+#: the snapshot text every refusal names
+SUPPORTED = "Supported: verl v0.6.0 (2025-10-15) to main @1dda039b9"
 #: the newest snapshot (by its declared version): the engine path's single-snapshot cases
 NEWEST = [max(SNAPSHOTS, key=release)] if SNAPSHOTS else []
 #: a case run on one legacy-actor snapshot (the first by name), skipped where none has it
@@ -160,7 +182,7 @@ def test_each_step_uses_its_mini_batch_scale_dp2(tmp_path, src):
     assert all(e["scale"] < 1 for e in expected)
     _check_applied(results, expected)
     shapes = results[0]["shapes"]["verl"]
-    assert "actor through the legacy Megatron actor and the engine path" in shapes
+    assert path_shape(src) in shapes  # each path detected on its own, by feature
     assert "legacy actor MegatronPPOActor.update_policy" in shapes
 
 
@@ -336,7 +358,7 @@ def test_a_verl_without_the_hooked_symbols_is_refused_by_name(tmp_path, src):
     (r,) = run_ranks(_missing_rank, args=(str(src),), tmp_path=tmp_path, timeout=240)
     assert r["missing"].startswith("MissingTargetError")
     assert "MegatronPPOActor.make_minibatch_iterator does not exist" in r["missing"]
-    assert "Supported: verl v0.7.0" in r["missing"]
+    assert SUPPORTED in r["missing"]
     assert (r["installed"], r["targets"]) == (False, [])
     assert "update_policy has no parameter dataloader" in r["parameter"]
 
@@ -395,37 +417,72 @@ def test_a_verl_newer_than_any_known_shape_is_refused_by_name(tmp_path, src):
     (r,) = run_ranks(_probe, args=("engine_missing_probe", str(src)), tmp_path=tmp_path)
     assert r["parameter"].startswith("MissingTargetError"), r["parameter"]
     assert "TrainingWorker.train_batch has no parameter data" in r["parameter"]
-    assert "Supported: verl v0.7.0 (2026-01-05) to main @1dda039b9" in r["parameter"]
+    assert SUPPORTED in r["parameter"]
     assert (r["installed"], r["targets"]) == (False, [])
 
 
-@on_newest
-def test_a_verl_with_neither_actor_path_is_told_the_supported_releases(tmp_path, src):
-    """No engine_workers and no legacy actor: one logged line naming the supported releases
-    when verl.workers is imported; verl stays unpatched (install()'s late-import rule)."""
+def _without_actor_paths(src: Path, into: Path) -> Path:
+    """A copy of ``src`` without the actor paths it has (the engine path's workers, the
+    legacy Megatron actor): a verl release ess-patch has never seen, with neither."""
     import shutil
 
-    tree = tmp_path / "verl-neither"
+    tree = into / f"{src.name}-neither"
     shutil.copytree(src / "verl", tree / "verl", ignore=shutil.ignore_patterns("__pycache__"))
-    (tree / "verl" / "workers" / "engine_workers.py").unlink()
+    for rel in ("workers/engine_workers.py", "workers/actor/megatron_actor.py"):
+        (tree / "verl" / rel).unlink(missing_ok=True)
+    return tree
+
+
+_NEITHER = [*LEGACY_ONLY, *NEWEST]
+
+
+@pytest.mark.parametrize("src", _NEITHER, ids=[p.name for p in _NEITHER])
+def test_a_verl_with_neither_actor_path_is_told_the_supported_releases(tmp_path, src):
+    """No engine_workers and no legacy actor, ESS-LR not requested: one logged line naming
+    the supported releases when verl.workers is imported; verl stays unpatched (install()'s
+    late-import rule), and the import goes on."""
+    tree = _without_actor_paths(src, tmp_path)
     (r,) = run_ranks(_probe, args=("neither_probe", str(tree)), tmp_path=tmp_path / "run")
+    assert r["import_error"] == ""
     assert "module verl.workers.engine_workers does not exist" in r["failure"]
-    assert "Supported: verl v0.7.0 (2026-01-05) to main @1dda039b9" in r["failure"]
+    assert SUPPORTED in r["failure"]
     assert len(r["logged"]) == 1 and "\n" not in r["logged"][0]  # one line, on every rank
     assert r["failure"] in r["logged"][0]
     assert r["targets"] == []  # verl.utils.config imported after it: not wrapped either
 
 
-@pytest.mark.parametrize("src", [*LEGACY[:1], *NEWEST], ids=lambda p: p.name)
+@pytest.mark.parametrize("src", _NEITHER, ids=[p.name for p in _NEITHER])
+def test_a_verl_with_neither_actor_path_stops_a_run_that_requests_ess_lr(tmp_path, src):
+    """The same verl with ESS_LR_ENABLE=1 (the recipe's request): importing verl.workers
+    fails with the refusal (the run stops before any step, not an ERROR line and an unscaled
+    run), naming what is missing, the supported releases and how to run without ESS-LR.
+    VCPO's actor.ess_scaling alone: verl's own config check refuses the unknown node."""
+    tree = _without_actor_paths(src, tmp_path)
+    (r,) = run_ranks(_probe, args=("neither_probe", str(tree), "1"), tmp_path=tmp_path / "run")
+    assert r["import_error"].startswith("FailClosedError: ess-patch (verl)"), r["import_error"]
+    for part in (
+        "module verl.workers.engine_workers does not exist",
+        "module verl.workers.actor.megatron_actor does not exist",
+        SUPPORTED,
+        "ESS_LR_ENABLE is on in this process, so the run stops here",
+        "unset ESS_LR_ENABLE",
+    ):
+        assert part in r["import_error"]
+    assert r["targets"] == []  # rolled back, and recorded as such
+    assert r["import_error"].split(": ", 1)[1] in r["failure"]
+    assert "ess_scaling" in r["vcpo"] and r["vcpo"] != "ok"  # stops there too
+
+
+@pytest.mark.parametrize("src", [*LEGACY[:1], *LEGACY_ONLY, *NEWEST], ids=lambda p: p.name)
 def test_doctor_names_the_supported_releases_and_the_path_used(tmp_path, src):
     (r,) = run_ranks(_probe, args=("doctor_probe", str(src)), tmp_path=tmp_path, timeout=240)
     assert r["problems"] == []
-    assert "supported: verl v0.7.0 (2026-01-05) to main @1dda039b9 (2026-08-22)" in "\n".join(
+    assert "supported: verl v0.6.0 (2025-10-15) to main @1dda039b9 (2026-08-22)" in "\n".join(
         r["lines"]
     )
     (shape,) = [line for line in r["lines"] if line.startswith("shape: verl: ")]
-    if has_legacy_actor(src):
-        assert "actor through the legacy Megatron actor and the engine path" in shape
-    else:
-        assert "actor through the engine path (no legacy actor)" in shape
+    assert path_shape(src) in shape
+    if not has_legacy_actor(src):
         assert "legacy actor none (removed in v0.8.0)" in shape
+    if not has_engine_path(src):
+        assert "engine none (before v0.7.0)" in shape

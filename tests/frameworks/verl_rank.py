@@ -64,6 +64,13 @@ def has_legacy_actor() -> bool:
     return find_spec("verl.workers.actor") is not None
 
 
+def has_engine_path() -> bool:
+    """Whether the imported verl has the engine path's workers (from v0.7.0)."""
+    from importlib.util import find_spec
+
+    return find_spec("verl.workers.engine_workers") is not None
+
+
 def composed(src: str, overrides: list[str]) -> Any:
     """verl's own ``ppo_megatron_trainer`` config, composed by Hydra with ``overrides``."""
     from hydra import compose, initialize_config_dir
@@ -87,15 +94,17 @@ def _install(scenario: dict) -> None:
         ess_patch.install(scenario.get("integrations", "verl"))
         return
     from verl.utils import config
-    from verl.workers import engine_workers
 
     from ess_patch.vendored import is_vendored
 
-    decorated = [
-        vars(engine_workers.ActorRolloutRefWorker)["update_actor"],
-        vars(engine_workers.TrainingWorker)["train_batch"],
-        config.omega_conf_to_dataclass,
-    ]
+    decorated = [config.omega_conf_to_dataclass]
+    if has_engine_path():  # verl >= 0.7: the engine path
+        from verl.workers import engine_workers
+
+        decorated += [
+            vars(engine_workers.ActorRolloutRefWorker)["update_actor"],
+            vars(engine_workers.TrainingWorker)["train_batch"],
+        ]
     if has_legacy_actor():  # verl < 0.8: the legacy actors are patched too
         from verl.workers.actor import dp_actor, megatron_actor
 
@@ -425,12 +434,16 @@ def engine_missing_probe(src: str) -> dict:
     return out
 
 
-def neither_probe(tree: str) -> dict:
+def neither_probe(tree: str, enable: str = "") -> dict:
     """A verl with neither the engine path nor the legacy actor (``tree``: a copy without
-    them), imported after install(): what is logged and recorded, and what stays patched.
-    (A host's import never fails because of ess-patch: the integration is rolled back.)"""
+    them), imported after install(): what is logged and recorded, what stays patched, and
+    what the import of ``verl.workers`` raised (with ``ESS_LR_ENABLE=enable``); then VCPO's
+    ``actor.ess_scaling`` through verl's own config check. (Without a request, a host's import
+    never fails because of ess-patch: the integration is rolled back.)"""
     import logging
 
+    if enable:
+        os.environ["ESS_LR_ENABLE"] = enable
     _import_verl(tree)
     import ess_patch
     from ess_patch.install import failed_integrations, installed_targets
@@ -441,13 +454,24 @@ def neither_probe(tree: str) -> dict:
     logging.getLogger("ess_patch").addHandler(handler)
     ess_patch.install("verl")
     import verl.utils.config
-    import verl.workers  # noqa: F401
 
-    return {
-        "failure": failed_integrations().get("verl", ""),
-        "logged": [r for r in records if "verl" in r],
-        "targets": [t for t in installed_targets() if t.startswith("verl")],
-    }
+    out: dict[str, Any] = {"import_error": ""}
+    try:
+        import verl.workers
+    except Exception as exc:
+        out["import_error"] = f"{type(exc).__name__}: {exc}"
+    node = composed(tree, ["+actor_rollout_ref.actor.ess_scaling.enable=true"])
+    try:
+        verl.utils.config.omega_conf_to_dataclass(node.actor_rollout_ref.actor)
+        out["vcpo"] = "ok"
+    except Exception as exc:
+        out["vcpo"] = f"{type(exc).__name__}: {exc}"
+    out.update(
+        failure=failed_integrations().get("verl", ""),
+        logged=[r for r in records if "verl" in r],
+        targets=[t for t in installed_targets() if t.startswith("verl")],
+    )
+    return out
 
 
 def doctor_probe(src: str) -> dict:
