@@ -79,6 +79,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,7 +88,7 @@ from ..patching import FailClosedError, MissingTargetError, Target
 from ..result import EssLrResult
 from ..state import arm, disarm
 from . import Integration
-from .binding import bind_method, call_method, undecorated
+from .binding import bind, bind_method, call_method, call_with, undecorated
 from .rl_hooks import Groups, megatron_groups, result_metrics
 from .shapes import Aspect, Feature, History, Shape
 from .verl_settings import ENV_ENABLE, VerlSettings, config_wrapper, settings
@@ -117,6 +118,7 @@ _MPU = "megatron.core.parallel_state"
 _CONFIG_REIMPORTS = ("verl.utils", "verl.workers.megatron_workers", _ENGINE_WORKERS)
 #: verl's metric names: the actor's own prefix
 METRIC_PREFIX = "actor/"
+_ROLLOUT_LOG_PROBS = "rollout_log_probs"
 _ROLLOUT_RESULT = "_ess_patch_rollout_result"  # on the legacy actor: the rollout's result
 _ENGINE_STATE = "_ess_patch_engine_actor"  # on the actor's TrainingWorker during update_actor
 
@@ -368,17 +370,48 @@ def minibatch_iterator_wrapper(
     wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict
 ) -> Any:
     """Granularity "rollout": the ESS over this DP rank's whole chunk (every DP rank), kept on
-    the actor for the ``update_policy`` that follows."""
-    out = wrapped(*args, **kwargs)
+    the actor for the ``update_policy`` that follows. Granularity "step": the mini-batches
+    keep ``rollout_log_probs`` (each one's ESS needs them), which v0.6's selection drops."""
     if instance is None:
-        return out
+        return wrapped(*args, **kwargs)
     vars(instance).pop(_ROLLOUT_RESULT, None)  # never a previous rollout's
     chosen = settings(getattr(instance, "config", None))
-    if chosen is None or chosen.config.granularity != "rollout":
-        return out
+    if chosen is None:
+        return wrapped(*args, **kwargs)  # off: untouched
     data = _the(bind_method(wrapped, instance, args, kwargs), wrapped, "data")
-    vars(instance)[_ROLLOUT_RESULT] = compute_batch(data, chosen.config)
-    return out
+    if chosen.config.granularity == "rollout":
+        vars(instance)[_ROLLOUT_RESULT] = compute_batch(data, chosen.config)
+        return wrapped(*args, **kwargs)
+    with _selection_keeps(data, _ROLLOUT_LOG_PROBS):
+        return wrapped(*args, **kwargs)
+
+
+@contextmanager
+def _selection_keeps(data: Any, key: str) -> Iterator[None]:
+    """For the call: ``data.select(batch_keys=...)`` keeps ``key`` where ``data`` has it.
+
+    verl v0.6.0's ``make_minibatch_iterator`` selects the keys its loss reads and drops
+    ``rollout_log_probs`` (v0.7.0 keeps them itself: then this changes nothing). An extra
+    key in a mini-batch is never read by verl's loss.
+    """
+    select = getattr(data, "select", None)
+    keys = getattr(getattr(data, "batch", None), "keys", None)
+    if select is None or keys is None or key not in keys() or not hasattr(data, "__dict__"):
+        yield
+        return
+
+    def keeping(*args: Any, **kwargs: Any) -> Any:
+        call = bind(select, args, kwargs)
+        chosen = None if call is None else call.arguments.get("batch_keys")
+        if chosen is None or key in chosen:
+            return select(*args, **kwargs)
+        return call_with(select, call, batch_keys=[*chosen, key])
+
+    vars(data)["select"] = keeping  # this object only, for this call
+    try:
+        yield
+    finally:
+        vars(data).pop("select", None)
 
 
 def update_policy_wrapper(
