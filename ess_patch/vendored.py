@@ -124,6 +124,8 @@ verl_tinker_forward_backward = _method_hook(_verl.tinker_wrapper)
 verl_tinker_optimizer_step = _method_hook(_verl.tinker_wrapper)
 #: verl ``utils/config.py``: on ``omega_conf_to_dataclass``.
 verl_omega_conf_to_dataclass = _function_hook(_verl.config_wrapper)
+#: verl ``trainer/constants_ppo.py``: on ``get_ppo_ray_runtime_env`` (the driver).
+verl_get_ppo_ray_runtime_env = _function_hook(_verl.runtime_env_wrapper)
 
 
 @dataclass(frozen=True)

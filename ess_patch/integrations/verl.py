@@ -12,6 +12,7 @@ Nothing else is touched; the LR itself is scaled at the actor's megatron-core
 | ``.make_minibatch_iterator``, ``.update_policy`` | | | |
 | ``workers.actor.dp_actor``: ``DataParallelPPOActor.update_policy`` | refused | refused | absent |
 | ``utils.config.omega_conf_to_dataclass`` (+ by-name imports) | VCPO keys | VCPO keys | VCPO keys |
+| ``trainer.constants_ppo.get_ppo_ray_runtime_env`` (+ main_ppo) | driver | driver | driver |
 | ``workers.engine_workers_tinker``: ``TinkerActorRolloutRefWorker`` | absent | absent | refused |
 | ``.forward_backward``, ``.optimizer_step`` | | | |
 
@@ -34,6 +35,9 @@ path.
   mini-batches, metrics as ``actor/...`` lists.
 - ``forward_backward`` / ``optimizer_step`` of main's Tinker worker: refused while ESS-LR is
   on (they step the actor outside ``update_actor`` / ``train_batch``), before any gradient.
+- ``get_ppo_ray_runtime_env`` (the driver, before ``ray.init``): every Ray actor's environment
+  gets the auto-install and the driver's ``ESS_LR_*`` (``verl_driver.py``), so a driver that
+  runs ess-patch never starts workers that train unscaled.
 - ``omega_conf_to_dataclass``: VCPO's ``actor.ess_scaling`` node taken out before verl checks
   the actor config against its dataclass (unknown keys fail there), kept on the dataclass.
 
@@ -91,9 +95,18 @@ from . import Integration
 from .binding import bind, bind_method, call_method, call_with, undecorated
 from .rl_hooks import Groups, megatron_groups, result_metrics
 from .shapes import Aspect, Feature, History, Shape
+from .verl_driver import runtime_env_wrapper
 from .verl_settings import ENV_ENABLE, VerlSettings, config_wrapper, settings
 
-__all__ = ["VERL", "VERL_HISTORY", "VerlSettings", "config_wrapper", "settings"]
+__all__ = [
+    "VERL",
+    "VERL_HISTORY",
+    "VerlSettings",
+    "config_wrapper",
+    "runtime_env_wrapper",
+    "settings",
+    "tinker_wrapper",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +125,7 @@ _FSDP_ACTOR = "verl.workers.actor.dp_actor"
 _CONFIG = "verl.utils.config"
 _ENGINE_WORKERS = "verl.workers.engine_workers"
 _TINKER = "verl.workers.engine_workers_tinker"  # main: the Tinker-style split training API
+_RUNTIME_ENV = "verl.trainer.constants_ppo"  # the driver's Ray runtime environment
 _WORKERS = "verl.workers"
 _MPU = "megatron.core.parallel_state"
 #: modules that import ``omega_conf_to_dataclass`` by name and call it on the actor's node
@@ -689,6 +703,21 @@ VERL = Integration(
         ),
         _target(
             _CONFIG, "", "omega_conf_to_dataclass", config_wrapper, "verl_omega_conf_to_dataclass"
+        ),
+        _target(
+            _RUNTIME_ENV,
+            "",
+            "get_ppo_ray_runtime_env",
+            runtime_env_wrapper,
+            "verl_get_ppo_ray_runtime_env",
+        ),
+        # run_ppo's by-name import, for a script that imports main_ppo before install()
+        Target(
+            "verl.trainer.main_ppo",
+            "",
+            "get_ppo_ray_runtime_env",
+            runtime_env_wrapper,
+            required=False,
         ),
         *(
             Target(module, "", "omega_conf_to_dataclass", config_wrapper, required=False)

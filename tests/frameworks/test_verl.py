@@ -410,6 +410,26 @@ def _probe(name: str, *args: str) -> dict:
     return getattr(verl_rank, name)(*args)
 
 
+@pytest.mark.parametrize("src", SNAPSHOTS, ids=[p.name for p in SNAPSHOTS])
+def test_a_driver_running_ess_patch_starts_every_ray_actor_with_it(tmp_path, src):
+    """ESS_LR_ENABLE=1 reaches the workers but ESS_PATCH_AUTO_INSTALL does not (forgotten in
+    ray_kwargs.ray_init.runtime_env): with ess-patch running in the driver, verl's own
+    runtime environment carries the auto-install and the driver's ESS_LR_* to every Ray
+    actor; the user's explicit ESS_PATCH_AUTO_INSTALL=0 still wins. Without ess-patch in the
+    driver (0.3.0's behaviour for both), the workers would train unscaled."""
+    (on,) = run_ranks(_probe, args=("driver_probe", str(src), "1"), tmp_path=tmp_path / "on")
+    assert {
+        "ESS_PATCH_AUTO_INSTALL": "1",
+        "ESS_PATCH_INTEGRATIONS": "verl",
+        "ESS_LR_ENABLE": "1",
+        "ESS_LR_FLOOR": "0.3",
+    }.items() <= {k: str(v) for k, v in on["forgot"].items()}.items()
+    assert str(on["opted_out"]["ESS_PATCH_AUTO_INSTALL"]) == "0"
+    (off,) = run_ranks(_probe, args=("driver_probe", str(src), "0"), tmp_path=tmp_path / "off")
+    assert "ESS_PATCH_AUTO_INSTALL" not in off["forgot"]
+    assert "ESS_LR_FLOOR" not in off["forgot"]
+
+
 @on_newest
 def test_a_verl_newer_than_any_known_shape_is_refused_by_name(tmp_path, src):
     """``train_batch`` without ``data``: install() refuses with the parameter and the supported
@@ -471,6 +491,41 @@ def test_a_verl_with_neither_actor_path_stops_a_run_that_requests_ess_lr(tmp_pat
     assert r["targets"] == []  # rolled back, and recorded as such
     assert r["import_error"].split(": ", 1)[1] in r["failure"]
     assert "ess_scaling" in r["vcpo"] and r["vcpo"] != "ok"  # stops there too
+
+
+def _has_tinker(src: Path) -> bool:
+    return (src / "verl" / "workers" / "engine_workers_tinker.py").is_file()
+
+
+@pytest.mark.parametrize(
+    "src",
+    [
+        pytest.param(
+            p,
+            id=p.name,
+            marks=pytest.mark.skipif(
+                not _has_tinker(p), reason=f"{p.name} has no Tinker worker (verl main has it)"
+            ),
+        )
+        for p in NEWEST
+    ],
+)
+def test_the_tinker_worker_is_refused_while_ess_lr_is_on(tmp_path, src):
+    """verl main's Tinker worker steps the actor outside update_actor / train_batch: with
+    ESS_LR_ENABLE=1 or VCPO's key its forward_backward (the first call of a step) and
+    optimizer_step refuse by name, before verl's own code; off, verl's own code runs."""
+    (r,) = run_ranks(_probe, args=("tinker_probe", str(src)), tmp_path=tmp_path, timeout=240)
+    assert sorted(r["targets"]) == [
+        "verl.workers.engine_workers_tinker.TinkerActorRolloutRefWorker.forward_backward",
+        "verl.workers.engine_workers_tinker.TinkerActorRolloutRefWorker.optimizer_step",
+    ]
+    for request in ("env", "vcpo"):
+        for call in ("forward_backward", "optimizer_step"):
+            error = r[f"{request}_{call}"]
+            assert error.startswith("NotImplementedError: ESS-LR (verl): the Tinker worker"), error
+            assert "would run at the scheduled LR" in error and "ESS_LR_ENABLE" in error
+    for call in ("forward_backward", "optimizer_step"):  # verl's own assertion: no actor role
+        assert r[f"off_{call}"] == f"AssertionError: {call} only support actor role"
 
 
 @pytest.mark.parametrize("src", [*LEGACY[:1], *LEGACY_ONLY, *NEWEST], ids=lambda p: p.name)
