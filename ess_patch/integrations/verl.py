@@ -81,7 +81,6 @@ Settings, per update (``verl_settings.settings``): on with ``ESS_LR_ENABLE=1`` o
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -96,7 +95,7 @@ from .binding import bind, bind_method, call_method, call_with, undecorated
 from .rl_hooks import Groups, megatron_groups, result_metrics
 from .shapes import Aspect, Feature, History, Shape
 from .verl_driver import runtime_env_wrapper
-from .verl_settings import ENV_ENABLE, VerlSettings, config_wrapper, settings
+from .verl_settings import ENV_ENABLE, VerlSettings, config_wrapper, enable_requested, settings
 
 __all__ = [
     "VERL",
@@ -536,19 +535,13 @@ class _VerlHistory(History):
         except FailClosedError:
             raise
         except MissingTargetError as exc:
-            if not _enable_requested():
+            if not enable_requested():
                 raise
             raise FailClosedError(
                 f"{exc}. {ENV_ENABLE} is on in this process, so the run stops here rather "
                 f"than train the policy at the scheduled LR (unset {ENV_ENABLE} to run verl "
                 "without ESS-LR)"
             ) from exc
-
-
-def _enable_requested() -> bool:
-    """Whether ``ESS_LR_ENABLE`` asks for ESS-LR in this process (a bad value counts: the
-    hooks would refuse it anyway)."""
-    return os.environ.get(ENV_ENABLE, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 _ENGINE_FEATURES = (

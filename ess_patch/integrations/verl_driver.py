@@ -19,7 +19,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .verl_settings import ENV_ENABLE
+from ..state import STATE
+from .verl_settings import ENV_ENABLE, enable_requested
 
 __all__ = ["runtime_env_wrapper", "worker_env"]
 
@@ -49,8 +50,12 @@ def runtime_env_wrapper(
     wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict
 ) -> Any:
     """``get_ppo_ray_runtime_env(...)``: verl's default runtime environment, its ``env_vars``
-    with :func:`worker_env` added (verl's own keys kept)."""
+    with :func:`worker_env` added (verl's own keys kept) when this driver runs ess-patch
+    (``install()`` in effect) or asks for ESS-LR (``ESS_LR_ENABLE``); else untouched (a
+    vendored tree's decorator runs without either)."""
     runtime_env = wrapped(*args, **kwargs)
+    if STATE.config is None and not enable_requested():
+        return runtime_env
     env_vars = runtime_env.get("env_vars") if isinstance(runtime_env, dict) else None
     if not isinstance(env_vars, dict):
         logger.warning(
