@@ -97,8 +97,10 @@ LEGACY_ONLY = [p for p in LEGACY if not has_engine_path(p)]
 SUPPORTED = "Supported: verl v0.6.0 (2025-10-15) to main @1dda039b9"
 #: the newest snapshot (by its declared version): the engine path's single-snapshot cases
 NEWEST = [max(SNAPSHOTS, key=release)] if SNAPSHOTS else []
-#: a case run on one legacy-actor snapshot (the first by name), skipped where none has it
-on_legacy = pytest.mark.parametrize("src", LEGACY[:1], ids=[p.name for p in LEGACY[:1]])
+#: a case run on one snapshot of each legacy-actor shape: the first by name with the engine
+#: path beside it (v0.7.x), and every one without it (v0.6.x)
+ONE_OF_EACH = [*[p for p in LEGACY if has_engine_path(p)][:1], *LEGACY_ONLY]
+on_legacy = pytest.mark.parametrize("src", ONE_OF_EACH, ids=[p.name for p in ONE_OF_EACH])
 on_newest = pytest.mark.parametrize("src", NEWEST, ids=[p.name for p in NEWEST])
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
 
@@ -212,7 +214,7 @@ def test_vcpo_ess_scaling_keys_shuffled_two_epochs(tmp_path, src):
     _check_applied(results, expected)
 
 
-@pytest.mark.parametrize("src", LEGACY[:1], ids=[p.name for p in LEGACY[:1]])
+@on_legacy
 def test_rollout_granularity_and_megatron_installed_too(tmp_path, src):
     """ESS_LR_GRANULARITY=rollout: one ESS over the whole rollout for every step; with
     install("megatron") as well, each update is still scaled exactly once."""
@@ -370,10 +372,12 @@ def _backends_rank(src: str) -> dict:
     return verl_rank.other_backends_probe(src)
 
 
-@pytest.mark.parametrize("src", [*LEGACY[:1], *NEWEST], ids=lambda p: p.name)
+@pytest.mark.parametrize("src", [*ONE_OF_EACH, *NEWEST], ids=lambda p: p.name)
 def test_fsdp_actor_and_engine_are_refused_while_on_and_untouched_while_off(tmp_path, src):
     (r,) = run_ranks(_backends_rank, args=(str(src),), tmp_path=tmp_path, timeout=240)
-    names = ("fsdp", "engine") if has_legacy_actor(src) else ("engine",)  # no dp_actor since v0.8
+    # no dp_actor since v0.8, no engine path before v0.7
+    names = [n for n, has in (("fsdp", has_legacy_actor), ("engine", has_engine_path)) if has(src)]
+    assert names
     for name in names:
         assert r[f"{name}_1"].startswith("NotImplementedError"), r[f"{name}_1"]
         assert "strategy 'fsdp' is not supported" in r[f"{name}_1"]

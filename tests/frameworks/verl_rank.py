@@ -352,12 +352,15 @@ def other_backends_probe(src: str) -> dict:
     import ess_patch
 
     ess_patch.install("verl")
-    from verl.workers.engine_workers import ActorRolloutRefWorker
-
     out: dict[str, Any] = {}
-    worker = object.__new__(ActorRolloutRefWorker)
-    vars(worker).update(actor=object(), config=OmegaConf.create({"actor": {"strategy": "fsdp"}}))
-    calls = [("engine", lambda: worker.update_actor(None))]
+    calls = []
+    if has_engine_path():
+        from verl.workers.engine_workers import ActorRolloutRefWorker
+
+        worker = object.__new__(ActorRolloutRefWorker)
+        config = OmegaConf.create({"actor": {"strategy": "fsdp"}})
+        vars(worker).update(actor=object(), config=config)
+        calls.append(("engine", lambda: worker.update_actor(None)))
     if has_legacy_actor():
         from verl.workers.actor.dp_actor import DataParallelPPOActor
 
