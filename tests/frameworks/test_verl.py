@@ -532,7 +532,7 @@ def test_the_tinker_worker_is_refused_while_ess_lr_is_on(tmp_path, src):
         assert r[f"off_{call}"] == f"AssertionError: {call} only support actor role"
 
 
-@pytest.mark.parametrize("src", [*LEGACY[:1], *LEGACY_ONLY, *NEWEST], ids=lambda p: p.name)
+@pytest.mark.parametrize("src", [*ONE_OF_EACH, *NEWEST], ids=lambda p: p.name)
 def test_doctor_names_the_supported_releases_and_the_path_used(tmp_path, src):
     (r,) = run_ranks(_probe, args=("doctor_probe", str(src)), tmp_path=tmp_path, timeout=240)
     assert r["problems"] == []
