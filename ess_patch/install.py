@@ -22,7 +22,7 @@ import wrapt
 from .config import EssLrConfig
 from .integrations import Integration
 from .integrations.registry import COMPONENTS
-from .patching import Patch, apply, revert, unwrap_copy
+from .patching import FailClosedError, Patch, apply, revert, unwrap_copy
 from .state import STATE, disarm
 
 __all__ = [
@@ -222,8 +222,9 @@ def _check_version(integration: Integration) -> None:
 def _on_import(module: ModuleType) -> None:
     """Post-import hook: wrap the targets in ``module`` for every installed integration.
 
-    Runs inside the host's ``import``: it never raises. An integration that cannot wrap this
-    module is rolled back (see :func:`_roll_back`); the others go on.
+    Runs inside the host's ``import``: it never raises, but for a :class:`FailClosedError`
+    (ESS-LR requested in this process, and the host fits no shape). An integration that
+    cannot wrap this module is rolled back (see :func:`_roll_back`); the others go on.
     """
     with INSTALLATION.lock:
         # wrapt drops a post-import hook once it has fired: a module imported again (after
@@ -236,6 +237,8 @@ def _on_import(module: ModuleType) -> None:
                 _wrap(name, module)
             except Exception as exc:  # the host's import must not fail because of ess-patch
                 _roll_back(name, exc)
+                if isinstance(exc, FailClosedError):  # ... unless ESS-LR was requested
+                    raise
 
 
 def _wrap(name: str, module: ModuleType) -> None:

@@ -21,6 +21,7 @@ __all__ = [
     "VENDORED",
     "VENDORED_MARK",
     "WRAPPED",
+    "FailClosedError",
     "MissingTargetError",
     "Patch",
     "Target",
@@ -40,6 +41,12 @@ VENDORED_MARK = "__ess_patch_vendored__"
 
 class MissingTargetError(ImportError):
     """A symbol ess-patch must wrap does not exist in the installed version."""
+
+
+class FailClosedError(MissingTargetError):
+    """A host imported after ``install()`` fits no shape while ESS-LR is requested in this
+    process: the host's import fails with it (the run stops) instead of the integration being
+    rolled back and the policy training at the scheduled LR."""
 
 
 @dataclass(frozen=True)

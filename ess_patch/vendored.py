@@ -118,8 +118,14 @@ verl_engine_update_actor = _method_hook(_verl.engine_update_actor_wrapper)
 verl_engine_train_batch = _method_hook(_verl.engine_train_batch_wrapper)
 #: verl ``workers/actor/dp_actor.py``: on ``DataParallelPPOActor.update_policy`` (refused).
 verl_fsdp_update_policy = _method_hook(_verl.fsdp_update_policy_wrapper)
+#: verl ``workers/engine_workers_tinker.py`` (main): on ``TinkerActorRolloutRefWorker``'s
+#: ``forward_backward`` and ``optimizer_step`` (refused while ESS-LR is on).
+verl_tinker_forward_backward = _method_hook(_verl.tinker_wrapper)
+verl_tinker_optimizer_step = _method_hook(_verl.tinker_wrapper)
 #: verl ``utils/config.py``: on ``omega_conf_to_dataclass``.
 verl_omega_conf_to_dataclass = _function_hook(_verl.config_wrapper)
+#: verl ``trainer/constants_ppo.py``: on ``get_ppo_ray_runtime_env`` (the driver).
+verl_get_ppo_ray_runtime_env = _function_hook(_verl.runtime_env_wrapper)
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
-"""Generate the miles, slime or Megatron-RL patch series for one upstream commit (maintainer tool).
+"""Generate a miles, slime, Megatron-RL or verl patch series for one upstream commit (maintainer
+tool).
 
     python tools/framework_series.py --component miles --tree DIR --commit HASH \\
         [--out patches/miles/<short hash>] [--moved FROM=TO ...] [--release TAG]
 
-DIR holds ``miles/`` (or ``slime/``, or Megatron-LM's ``megatron/rl`` for ``megatron_rl``): a
-checkout or a snapshot without git. HASH is the full
+DIR holds ``miles/`` (or ``slime/``, ``verl/``, or Megatron-LM's ``megatron/rl`` for
+``megatron_rl``): a checkout or a snapshot without git. HASH is the full
 commit, or the 9+ digits a snapshot without git is known by (the series folder takes the
 first 9). The call sites are ``ess_patch.vendored.CALL_SITES[component]``, per snapshot:
 ``--moved FROM=TO`` says that this snapshot defines FROM's call site in the file TO (slime
@@ -131,8 +132,12 @@ WHY = {
   optimizer step of the actor's TrainingWorker only.
 - DataParallelPPOActor.update_policy (the FSDP actor): refused while
   ESS-LR is on, never a silent no-op.
-Both actor paths attach the actor's optimizer for the call, so the
-megatron-core series is not needed for verl's actor. ESS-LR is on with
+- TinkerActorRolloutRefWorker.forward_backward and optimizer_step (main's
+  Tinker-style split API, which bypasses update_actor): refused while
+  ESS-LR is on, before any gradient.
+Each series decorates those of them that its commit has. Both actor
+paths attach the actor's optimizer for the call, so the megatron-core
+series is not needed for verl's actor. ESS-LR is on with
 ESS_LR_ENABLE=1 or actor.ess_scaling.enable (VCPO's key).""",
     "megatron_rl": """\
 - parse_args: the --use-ess-lr / --ess-lr-* flags, composed after the

@@ -1,20 +1,25 @@
-"""verl (verl-project/verl, v0.7.0 to main @1dda039b9; PyPI 0.9.1): ESS-LR for the Megatron actor.
+"""verl (verl-project/verl, v0.6.0 to main @1dda039b9; PyPI 0.9.1): ESS-LR for the Megatron actor.
 
 What ess-patch does to verl: every target of ``VERL`` (below) and its effect, per release.
 Nothing else is touched; the LR itself is scaled at the actor's megatron-core
 ``optimizer.step()``, which each actor hook attaches for its call (``attach.py``).
 
-| target (under ``verl.``) | v0.7.0, @b178a3cd5 | v0.8.0, 0.9.x, main |
-|---|---|---|
-| ``workers.engine_workers``: ``ActorRolloutRefWorker.update_actor`` | engine path | the path |
-| ``workers.engine_workers``: ``TrainingWorker.train_batch`` | engine path | the path |
-| ``workers.actor.megatron_actor``: ``MegatronPPOActor`` | legacy (default) | absent |
-| ``.make_minibatch_iterator``, ``.update_policy`` | | |
-| ``workers.actor.dp_actor``: ``DataParallelPPOActor.update_policy`` | refused | absent |
-| ``utils.config.omega_conf_to_dataclass`` (+ by-name imports) | VCPO keys | VCPO keys |
+| target (under ``verl.``) | v0.6.0 | v0.7.0, @b178a3cd5 | v0.8.0, 0.9.x, main |
+|---|---|---|---|
+| ``workers.engine_workers``: ``ActorRolloutRefWorker`` | absent | engine path | the path |
+| ``.update_actor``; ``TrainingWorker.train_batch`` | | | |
+| ``workers.actor.megatron_actor``: ``MegatronPPOActor`` | the path | legacy (default) | absent |
+| ``.make_minibatch_iterator``, ``.update_policy`` | | | |
+| ``workers.actor.dp_actor``: ``DataParallelPPOActor.update_policy`` | refused | refused | absent |
+| ``utils.config.omega_conf_to_dataclass`` (+ by-name imports) | VCPO keys | VCPO keys | VCPO keys |
+| ``trainer.constants_ppo.get_ppo_ray_runtime_env`` (+ main_ppo) | driver | driver | driver |
+| ``workers.engine_workers_tinker``: ``TinkerActorRolloutRefWorker`` | absent | absent | refused |
+| ``.forward_backward``, ``.optimizer_step`` | | | |
 
-The engine path is ``trainer.use_legacy_worker_impl=disable`` before v0.8.0; verl PR #6067
-(2026-04-20) removed the legacy workers, so from v0.8.0 it is the only actor path.
+v0.6.0 trains the Megatron actor through the legacy actor only (its ``workers/roles`` serve
+the FSDP strategy). The engine path is ``trainer.use_legacy_worker_impl=disable`` in v0.7.x;
+verl PR #6067 (2026-04-20) removed the legacy workers, so from v0.8.0 it is the only actor
+path.
 
 - ``update_actor``: on the actor's worker, marks the actor's ``TrainingWorker`` for the call
   (the critic's is another instance and is never touched), refuses a non-Megatron actor
@@ -28,6 +33,11 @@ The engine path is ``trainer.use_legacy_worker_impl=disable`` before v0.8.0; ver
 - ``make_minibatch_iterator`` / ``update_policy`` (legacy): the same per mini-batch (or per
   rollout) ESS, armed for each ``actor_optimizer.step()`` as ``update_policy`` draws the
   mini-batches, metrics as ``actor/...`` lists.
+- ``forward_backward`` / ``optimizer_step`` of main's Tinker worker: refused while ESS-LR is
+  on (they step the actor outside ``update_actor`` / ``train_batch``), before any gradient.
+- ``get_ppo_ray_runtime_env`` (the driver, before ``ray.init``): every Ray actor's environment
+  gets the auto-install and the driver's ``ESS_LR_*`` (``verl_driver.py``), so a driver that
+  runs ess-patch never starts workers that train unscaled.
 - ``omega_conf_to_dataclass``: VCPO's ``actor.ess_scaling`` node taken out before verl checks
   the actor config against its dataclass (unknown keys fail there), kept on the dataclass.
 
@@ -51,10 +61,15 @@ unchanged by a uniform replication. With ``algorithm.rollout_correction.bypass_m
 driver sets ``old_log_probs`` to the rollout log-probs (every release): refused, the ratio is
 1. Without ``rollout_log_probs``: refused. Both on every rank, before any step.
 
-The shapes, by feature (never by version string): the "path" aspect, decided when
-``verl.workers`` is imported, needs the engine path's module (and takes the legacy actor too
-where it exists); with neither, verl is rolled back at that import with one logged error line
-naming the supported releases (``failed_integrations()``; ``doctor`` reports it as a problem).
+The shapes, by feature (never by version string), each actor path on its own: the "path"
+aspect, decided when ``verl.workers`` is imported, takes the legacy actor wherever its module
+exists and the engine path wherever its module exists (both in v0.7.x, the legacy actor alone
+in v0.6.x, the engine path alone from v0.8.0; a release in between is read the same way).
+With neither, verl is rolled back at that import with one logged error line naming the
+supported releases (``failed_integrations()``; ``doctor`` reports it as a problem); with
+``ESS_LR_ENABLE`` on in that process, the import itself fails with that error
+(:class:`~ess_patch.patching.FailClosedError`): the run stops instead of training unscaled
+(VCPO's ``actor.ess_scaling`` then fails verl's own check of the actor config).
 The "engine" and "actor" aspects check the hooked methods' parameters when their modules are
 imported, so a verl that renamed them is refused by name instead of silently unscaled.
 
@@ -67,21 +82,31 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from .. import collapse_warning
 from ..config import EssLrConfig
-from ..patching import MissingTargetError, Target
+from ..patching import FailClosedError, MissingTargetError, Target
 from ..result import EssLrResult
 from ..state import arm, disarm
 from . import Integration
-from .binding import bind_method, call_method, undecorated
+from .binding import bind, bind_method, call_method, call_with, undecorated
 from .rl_hooks import Groups, megatron_groups, result_metrics
 from .shapes import Aspect, Feature, History, Shape
-from .verl_settings import VerlSettings, config_wrapper, settings
+from .verl_driver import runtime_env_wrapper
+from .verl_settings import ENV_ENABLE, VerlSettings, config_wrapper, enable_requested, settings
 
-__all__ = ["VERL", "VERL_HISTORY", "VerlSettings", "config_wrapper", "settings"]
+__all__ = [
+    "VERL",
+    "VERL_HISTORY",
+    "VerlSettings",
+    "config_wrapper",
+    "runtime_env_wrapper",
+    "settings",
+    "tinker_wrapper",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -90,21 +115,24 @@ NAME = "verl"
 #: the upstream commit the newest patches/ series and the framework tests are cut from
 SNAPSHOT = "1dda039b9c6311889a9c9a26040677e1254814f9"
 SUPPORTED = (
-    f"verl v0.7.0 (2026-01-05) to main @{SNAPSHOT[:9]} (2026-08-22), releases v0.8.0, "
-    "0.9.x (PyPI 0.9.1) included: the Megatron actor through the engine path, and the legacy "
-    "Megatron actor where it exists (before v0.8.0)"
+    f"verl v0.6.0 (2025-10-15) to main @{SNAPSHOT[:9]} (2026-08-22), releases v0.7.x, v0.8.0, "
+    "0.9.x (PyPI 0.9.1) included: the Megatron actor through the legacy Megatron actor where it "
+    "exists (before v0.8.0) and through the engine path where it exists (from v0.7.0)"
 )
 
 _ACTOR = "verl.workers.actor.megatron_actor"
 _FSDP_ACTOR = "verl.workers.actor.dp_actor"
 _CONFIG = "verl.utils.config"
 _ENGINE_WORKERS = "verl.workers.engine_workers"
+_TINKER = "verl.workers.engine_workers_tinker"  # main: the Tinker-style split training API
+_RUNTIME_ENV = "verl.trainer.constants_ppo"  # the driver's Ray runtime environment
 _WORKERS = "verl.workers"
 _MPU = "megatron.core.parallel_state"
 #: modules that import ``omega_conf_to_dataclass`` by name and call it on the actor's node
 _CONFIG_REIMPORTS = ("verl.utils", "verl.workers.megatron_workers", _ENGINE_WORKERS)
 #: verl's metric names: the actor's own prefix
 METRIC_PREFIX = "actor/"
+_ROLLOUT_LOG_PROBS = "rollout_log_probs"
 _ROLLOUT_RESULT = "_ess_patch_rollout_result"  # on the legacy actor: the rollout's result
 _ENGINE_STATE = "_ess_patch_engine_actor"  # on the actor's TrainingWorker during update_actor
 
@@ -295,6 +323,25 @@ def engine_train_batch_wrapper(
     return out
 
 
+def tinker_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``TinkerActorRolloutRefWorker.forward_backward`` / ``optimizer_step`` (verl main's
+    Tinker-style split API): refused while ESS-LR is on (or in shadow mode), before any
+    gradient. They step the actor's optimizer outside ``update_actor`` / ``train_batch``, where
+    nothing measures a mini-batch, so every step would run at the scheduled LR."""
+    if instance is None:
+        return wrapped(*args, **kwargs)
+    actor_config = getattr(getattr(instance, "config", None), "actor", None)
+    if settings(actor_config) is not None:
+        raise NotImplementedError(
+            f"ESS-LR (verl): the Tinker worker ({type(instance).__name__}.forward_backward / "
+            "optimizer_step) trains the actor outside update_actor / train_batch, where "
+            "ESS-LR measures each mini-batch, so its optimizer steps would run at the "
+            "scheduled LR. Train through update_actor (verl's PPO trainer), or turn "
+            "ESS-LR off (ESS_LR_ENABLE, actor.ess_scaling.enable, ESS_LR_SHADOW)"
+        )
+    return wrapped(*args, **kwargs)
+
+
 def _engine_metrics(output: Any) -> dict | None:
     """The metrics dict of a ``train_batch`` output (None on ranks that return no output)."""
     if output is None:
@@ -307,7 +354,7 @@ def _engine_metrics(output: Any) -> dict | None:
     return metrics if isinstance(metrics, dict) else None
 
 
-# --- the legacy Megatron actor (v0.7.x) --------------------------------------------------------
+# --- the legacy Megatron actor (v0.6.x, v0.7.x) -----------------------------------------------
 
 
 def _each(
@@ -340,17 +387,48 @@ def minibatch_iterator_wrapper(
     wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict
 ) -> Any:
     """Granularity "rollout": the ESS over this DP rank's whole chunk (every DP rank), kept on
-    the actor for the ``update_policy`` that follows."""
-    out = wrapped(*args, **kwargs)
+    the actor for the ``update_policy`` that follows. Granularity "step": the mini-batches
+    keep ``rollout_log_probs`` (each one's ESS needs them), which v0.6's selection drops."""
     if instance is None:
-        return out
+        return wrapped(*args, **kwargs)
     vars(instance).pop(_ROLLOUT_RESULT, None)  # never a previous rollout's
     chosen = settings(getattr(instance, "config", None))
-    if chosen is None or chosen.config.granularity != "rollout":
-        return out
+    if chosen is None:
+        return wrapped(*args, **kwargs)  # off: untouched
     data = _the(bind_method(wrapped, instance, args, kwargs), wrapped, "data")
-    vars(instance)[_ROLLOUT_RESULT] = compute_batch(data, chosen.config)
-    return out
+    if chosen.config.granularity == "rollout":
+        vars(instance)[_ROLLOUT_RESULT] = compute_batch(data, chosen.config)
+        return wrapped(*args, **kwargs)
+    with _selection_keeps(data, _ROLLOUT_LOG_PROBS):
+        return wrapped(*args, **kwargs)
+
+
+@contextmanager
+def _selection_keeps(data: Any, key: str) -> Iterator[None]:
+    """For the call: ``data.select(batch_keys=...)`` keeps ``key`` where ``data`` has it.
+
+    verl v0.6.0's ``make_minibatch_iterator`` selects the keys its loss reads and drops
+    ``rollout_log_probs`` (v0.7.0 keeps them itself: then this changes nothing). An extra
+    key in a mini-batch is never read by verl's loss.
+    """
+    select = getattr(data, "select", None)
+    keys = getattr(getattr(data, "batch", None), "keys", None)
+    if select is None or keys is None or key not in keys() or not hasattr(data, "__dict__"):
+        yield
+        return
+
+    def keeping(*args: Any, **kwargs: Any) -> Any:
+        call = bind(select, args, kwargs)
+        chosen = None if call is None else call.arguments.get("batch_keys")
+        if chosen is None or key in chosen:
+            return select(*args, **kwargs)
+        return call_with(select, call, batch_keys=[*chosen, key])
+
+    vars(data)["select"] = keeping  # this object only, for this call
+    try:
+        yield
+    finally:
+        vars(data).pop("select", None)
 
 
 def update_policy_wrapper(
@@ -450,6 +528,26 @@ class _Gone(_Module):
         return None if super().missing() is not None else f"module {self.module} exists"
 
 
+class _VerlHistory(History):
+    """verl's shapes; a verl that fits none while ``ESS_LR_ENABLE`` is on in this process is
+    refused with :class:`FailClosedError`, which fails the host's import (the run stops)
+    instead of rolling verl back and training the policy at the scheduled LR."""
+
+    def choose(self, name: str) -> Shape:
+        try:
+            return super().choose(name)
+        except FailClosedError:
+            raise
+        except MissingTargetError as exc:
+            if not enable_requested():
+                raise
+            raise FailClosedError(
+                f"{exc}. {ENV_ENABLE} is on in this process, so the run stops here rather "
+                f"than train the policy at the scheduled LR (unset {ENV_ENABLE} to run verl "
+                "without ESS-LR)"
+            ) from exc
+
+
 _ENGINE_FEATURES = (
     _Method(_ENGINE_WORKERS, "ActorRolloutRefWorker.update_actor", ("data",)),
     _Method(_ENGINE_WORKERS, "TrainingWorker.train_mini_batch", ("data",)),
@@ -460,7 +558,9 @@ _LEGACY_FEATURES = (
     _Method(_ACTOR, "MegatronPPOActor.make_minibatch_iterator", ("data",)),
 )
 
-VERL_HISTORY = History(
+_MAIN = f"main @{SNAPSHOT[:9]}"
+
+VERL_HISTORY = _VerlHistory(
     framework=NAME,
     supported=SUPPORTED,
     aspects=(
@@ -474,8 +574,13 @@ VERL_HISTORY = History(
                 ),
                 Shape(
                     "the engine path (no legacy actor)",
-                    f"v0.8.0 to main @{SNAPSHOT[:9]}",
-                    (_Module(_ENGINE_WORKERS),),
+                    f"v0.8.0 to {_MAIN}",
+                    (_Gone(_ACTOR), _Module(_ENGINE_WORKERS)),
+                ),
+                Shape(
+                    "the legacy Megatron actor (no engine path)",
+                    "v0.6.x",
+                    (_Module(_ACTOR), _Gone(_ENGINE_WORKERS)),
                 ),
             ),
             when=(_WORKERS,),
@@ -486,9 +591,10 @@ VERL_HISTORY = History(
             (
                 Shape(
                     "update_actor(data) -> TrainingWorker.train_mini_batch -> train_batch(data)",
-                    f"v0.7.0 to main @{SNAPSHOT[:9]}",
+                    f"v0.7.0 to {_MAIN}",
                     _ENGINE_FEATURES,
                 ),
+                Shape("none (before v0.7.0)", "v0.6.x", (_Gone(_ENGINE_WORKERS),)),
             ),
             when=(_ENGINE_WORKERS,),
             phrase="engine {label}",
@@ -498,12 +604,10 @@ VERL_HISTORY = History(
             (
                 Shape(
                     "MegatronPPOActor.update_policy(dataloader) over make_minibatch_iterator(data)",
-                    "v0.7.0 to @b178a3cd5",
+                    "v0.6.0 to @b178a3cd5",
                     _LEGACY_FEATURES,
                 ),
-                Shape(
-                    "none (removed in v0.8.0)", f"v0.8.0 to main @{SNAPSHOT[:9]}", (_Gone(_ACTOR),)
-                ),
+                Shape("none (removed in v0.8.0)", f"v0.8.0 to {_MAIN}", (_Gone(_ACTOR),)),
             ),
             when=(_ACTOR,),
             phrase="legacy actor {label}",
@@ -513,7 +617,7 @@ VERL_HISTORY = History(
             (
                 Shape(
                     "megatron.core.parallel_state (DP without CP, PP)",
-                    f"v0.7.0 to main @{SNAPSHOT[:9]}",
+                    f"v0.6.0 to {_MAIN}",
                     tuple(
                         Feature(_MPU, name)
                         for name in (
@@ -532,7 +636,7 @@ VERL_HISTORY = History(
             (
                 Shape(
                     "omega_conf_to_dataclass(config, dataclass_type)",
-                    f"v0.7.0 to main @{SNAPSHOT[:9]}",
+                    f"v0.6.0 to {_MAIN}",
                     (Feature(_CONFIG, "omega_conf_to_dataclass", ("config", "dataclass_type")),),
                 ),
                 # a verl whose actor config is not checked there: ESS_LR_* only
@@ -554,7 +658,7 @@ VERL = Integration(
     name=NAME,
     snapshot=SNAPSHOT,
     distribution="verl",
-    supported=">=0.7.0",
+    supported=">=0.6.0",
     targets=(
         _target(
             _ENGINE_WORKERS,
@@ -569,6 +673,13 @@ VERL = Integration(
             "train_batch",
             engine_train_batch_wrapper,
             "verl_engine_train_batch",
+        ),
+        *(
+            _target(_TINKER, "TinkerActorRolloutRefWorker", name, tinker_wrapper, decorator)
+            for name, decorator in (
+                ("forward_backward", "verl_tinker_forward_backward"),
+                ("optimizer_step", "verl_tinker_optimizer_step"),
+            )
         ),
         _target(
             _ACTOR,
@@ -589,6 +700,21 @@ VERL = Integration(
         ),
         _target(
             _CONFIG, "", "omega_conf_to_dataclass", config_wrapper, "verl_omega_conf_to_dataclass"
+        ),
+        _target(
+            _RUNTIME_ENV,
+            "",
+            "get_ppo_ray_runtime_env",
+            runtime_env_wrapper,
+            "verl_get_ppo_ray_runtime_env",
+        ),
+        # run_ppo's by-name import, for a script that imports main_ppo before install()
+        Target(
+            "verl.trainer.main_ppo",
+            "",
+            "get_ppo_ray_runtime_env",
+            runtime_env_wrapper,
+            required=False,
         ),
         *(
             Target(module, "", "omega_conf_to_dataclass", config_wrapper, required=False)

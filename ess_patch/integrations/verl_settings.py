@@ -14,7 +14,14 @@ from ..config import EssLrConfig
 from ..state import STATE
 from .binding import bind, call_with
 
-__all__ = ["VCPO_KEYS", "VerlSettings", "config_wrapper", "settings", "vcpo_scaling"]
+__all__ = [
+    "VCPO_KEYS",
+    "VerlSettings",
+    "config_wrapper",
+    "enable_requested",
+    "settings",
+    "vcpo_scaling",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +67,13 @@ def _plain(node: Any) -> Any:
     except ImportError:  # verl always has omegaconf; a plain dict needs nothing
         pass
     return dict(node) if isinstance(node, Mapping) else node
+
+
+def enable_requested(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``ESS_LR_ENABLE`` asks for ESS-LR in this process (a bad value counts: the
+    hooks refuse it by name anyway)."""
+    env = os.environ if environ is None else environ
+    return env.get(ENV_ENABLE, "").strip().lower() not in _FALSE
 
 
 def vcpo_scaling(actor_config: Any) -> dict[str, Any] | None:

@@ -69,14 +69,38 @@ def has_legacy_actor(src: Path) -> bool:
     return (src / "verl" / "workers" / "actor" / "megatron_actor.py").is_file()
 
 
+def has_engine_path(src: Path) -> bool:
+    """Whether the tree has the engine path's workers (from verl v0.7.0)."""
+    return (src / "verl" / "workers" / "engine_workers.py").is_file()
+
+
+def path_shape(src: Path) -> str:
+    """The actor path(s) ``install("verl")`` must detect in the tree, by what the tree has."""
+    legacy, engine = has_legacy_actor(src), has_engine_path(src)
+    if legacy and engine:
+        return "actor through the legacy Megatron actor and the engine path"
+    return (
+        "actor through the legacy Megatron actor (no engine path)"
+        if legacy
+        else ("actor through the engine path (no legacy actor)")
+    )
+
+
 SKIP = _skip_reason()
 SNAPSHOTS = verl_snapshots()
-#: the snapshots with the legacy Megatron actor (v0.7.0, @b178a3cd5): its tests run there only
+#: the snapshots with the legacy Megatron actor (v0.6.0, v0.7.0, @b178a3cd5): its tests run
+#: there only
 LEGACY = [p for p in SNAPSHOTS if has_legacy_actor(p)]
+#: the legacy actor without the engine path (v0.6.x)
+LEGACY_ONLY = [p for p in LEGACY if not has_engine_path(p)]
+#: the snapshot text every refusal names
+SUPPORTED = "Supported: verl v0.6.0 (2025-10-15) to main @1dda039b9"
 #: the newest snapshot (by its declared version): the engine path's single-snapshot cases
 NEWEST = [max(SNAPSHOTS, key=release)] if SNAPSHOTS else []
-#: a case run on one legacy-actor snapshot (the first by name), skipped where none has it
-on_legacy = pytest.mark.parametrize("src", LEGACY[:1], ids=[p.name for p in LEGACY[:1]])
+#: a case run on one snapshot of each legacy-actor shape: the first by name with the engine
+#: path beside it (v0.7.x), and every one without it (v0.6.x)
+ONE_OF_EACH = [*[p for p in LEGACY if has_engine_path(p)][:1], *LEGACY_ONLY]
+on_legacy = pytest.mark.parametrize("src", ONE_OF_EACH, ids=[p.name for p in ONE_OF_EACH])
 on_newest = pytest.mark.parametrize("src", NEWEST, ids=[p.name for p in NEWEST])
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
 
@@ -160,7 +184,7 @@ def test_each_step_uses_its_mini_batch_scale_dp2(tmp_path, src):
     assert all(e["scale"] < 1 for e in expected)
     _check_applied(results, expected)
     shapes = results[0]["shapes"]["verl"]
-    assert "actor through the legacy Megatron actor and the engine path" in shapes
+    assert path_shape(src) in shapes  # each path detected on its own, by feature
     assert "legacy actor MegatronPPOActor.update_policy" in shapes
 
 
@@ -190,7 +214,7 @@ def test_vcpo_ess_scaling_keys_shuffled_two_epochs(tmp_path, src):
     _check_applied(results, expected)
 
 
-@pytest.mark.parametrize("src", LEGACY[:1], ids=[p.name for p in LEGACY[:1]])
+@on_legacy
 def test_rollout_granularity_and_megatron_installed_too(tmp_path, src):
     """ESS_LR_GRANULARITY=rollout: one ESS over the whole rollout for every step; with
     install("megatron") as well, each update is still scaled exactly once."""
@@ -336,7 +360,7 @@ def test_a_verl_without_the_hooked_symbols_is_refused_by_name(tmp_path, src):
     (r,) = run_ranks(_missing_rank, args=(str(src),), tmp_path=tmp_path, timeout=240)
     assert r["missing"].startswith("MissingTargetError")
     assert "MegatronPPOActor.make_minibatch_iterator does not exist" in r["missing"]
-    assert "Supported: verl v0.7.0" in r["missing"]
+    assert SUPPORTED in r["missing"]
     assert (r["installed"], r["targets"]) == (False, [])
     assert "update_policy has no parameter dataloader" in r["parameter"]
 
@@ -348,10 +372,12 @@ def _backends_rank(src: str) -> dict:
     return verl_rank.other_backends_probe(src)
 
 
-@pytest.mark.parametrize("src", [*LEGACY[:1], *NEWEST], ids=lambda p: p.name)
+@pytest.mark.parametrize("src", [*ONE_OF_EACH, *NEWEST], ids=lambda p: p.name)
 def test_fsdp_actor_and_engine_are_refused_while_on_and_untouched_while_off(tmp_path, src):
     (r,) = run_ranks(_backends_rank, args=(str(src),), tmp_path=tmp_path, timeout=240)
-    names = ("fsdp", "engine") if has_legacy_actor(src) else ("engine",)  # no dp_actor since v0.8
+    # no dp_actor since v0.8, no engine path before v0.7
+    names = [n for n, has in (("fsdp", has_legacy_actor), ("engine", has_engine_path)) if has(src)]
+    assert names
     for name in names:
         assert r[f"{name}_1"].startswith("NotImplementedError"), r[f"{name}_1"]
         assert "strategy 'fsdp' is not supported" in r[f"{name}_1"]
@@ -388,6 +414,26 @@ def _probe(name: str, *args: str) -> dict:
     return getattr(verl_rank, name)(*args)
 
 
+@pytest.mark.parametrize("src", SNAPSHOTS, ids=[p.name for p in SNAPSHOTS])
+def test_a_driver_running_ess_patch_starts_every_ray_actor_with_it(tmp_path, src):
+    """ESS_LR_ENABLE=1 reaches the workers but ESS_PATCH_AUTO_INSTALL does not (forgotten in
+    ray_kwargs.ray_init.runtime_env): with ess-patch running in the driver, verl's own
+    runtime environment carries the auto-install and the driver's ESS_LR_* to every Ray
+    actor; the user's explicit ESS_PATCH_AUTO_INSTALL=0 still wins. Without ess-patch in the
+    driver (0.3.0's behaviour for both), the workers would train unscaled."""
+    (on,) = run_ranks(_probe, args=("driver_probe", str(src), "1"), tmp_path=tmp_path / "on")
+    assert {
+        "ESS_PATCH_AUTO_INSTALL": "1",
+        "ESS_PATCH_INTEGRATIONS": "verl",
+        "ESS_LR_ENABLE": "1",
+        "ESS_LR_FLOOR": "0.3",
+    }.items() <= {k: str(v) for k, v in on["forgot"].items()}.items()
+    assert str(on["opted_out"]["ESS_PATCH_AUTO_INSTALL"]) == "0"
+    (off,) = run_ranks(_probe, args=("driver_probe", str(src), "0"), tmp_path=tmp_path / "off")
+    assert "ESS_PATCH_AUTO_INSTALL" not in off["forgot"]
+    assert "ESS_LR_FLOOR" not in off["forgot"]
+
+
 @on_newest
 def test_a_verl_newer_than_any_known_shape_is_refused_by_name(tmp_path, src):
     """``train_batch`` without ``data``: install() refuses with the parameter and the supported
@@ -395,37 +441,107 @@ def test_a_verl_newer_than_any_known_shape_is_refused_by_name(tmp_path, src):
     (r,) = run_ranks(_probe, args=("engine_missing_probe", str(src)), tmp_path=tmp_path)
     assert r["parameter"].startswith("MissingTargetError"), r["parameter"]
     assert "TrainingWorker.train_batch has no parameter data" in r["parameter"]
-    assert "Supported: verl v0.7.0 (2026-01-05) to main @1dda039b9" in r["parameter"]
+    assert SUPPORTED in r["parameter"]
     assert (r["installed"], r["targets"]) == (False, [])
 
 
-@on_newest
-def test_a_verl_with_neither_actor_path_is_told_the_supported_releases(tmp_path, src):
-    """No engine_workers and no legacy actor: one logged line naming the supported releases
-    when verl.workers is imported; verl stays unpatched (install()'s late-import rule)."""
+def _without_actor_paths(src: Path, into: Path) -> Path:
+    """A copy of ``src`` without the actor paths it has (the engine path's workers, the
+    legacy Megatron actor): a verl release ess-patch has never seen, with neither."""
     import shutil
 
-    tree = tmp_path / "verl-neither"
+    tree = into / f"{src.name}-neither"
     shutil.copytree(src / "verl", tree / "verl", ignore=shutil.ignore_patterns("__pycache__"))
-    (tree / "verl" / "workers" / "engine_workers.py").unlink()
+    for rel in ("workers/engine_workers.py", "workers/actor/megatron_actor.py"):
+        (tree / "verl" / rel).unlink(missing_ok=True)
+    return tree
+
+
+_NEITHER = [*LEGACY_ONLY, *NEWEST]
+
+
+@pytest.mark.parametrize("src", _NEITHER, ids=[p.name for p in _NEITHER])
+def test_a_verl_with_neither_actor_path_is_told_the_supported_releases(tmp_path, src):
+    """No engine_workers and no legacy actor, ESS-LR not requested: one logged line naming
+    the supported releases when verl.workers is imported; verl stays unpatched (install()'s
+    late-import rule), and the import goes on."""
+    tree = _without_actor_paths(src, tmp_path)
     (r,) = run_ranks(_probe, args=("neither_probe", str(tree)), tmp_path=tmp_path / "run")
+    assert r["import_error"] == ""
     assert "module verl.workers.engine_workers does not exist" in r["failure"]
-    assert "Supported: verl v0.7.0 (2026-01-05) to main @1dda039b9" in r["failure"]
+    assert SUPPORTED in r["failure"]
     assert len(r["logged"]) == 1 and "\n" not in r["logged"][0]  # one line, on every rank
     assert r["failure"] in r["logged"][0]
     assert r["targets"] == []  # verl.utils.config imported after it: not wrapped either
 
 
-@pytest.mark.parametrize("src", [*LEGACY[:1], *NEWEST], ids=lambda p: p.name)
+@pytest.mark.parametrize("src", _NEITHER, ids=[p.name for p in _NEITHER])
+def test_a_verl_with_neither_actor_path_stops_a_run_that_requests_ess_lr(tmp_path, src):
+    """The same verl with ESS_LR_ENABLE=1 (the recipe's request): importing verl.workers
+    fails with the refusal (the run stops before any step, not an ERROR line and an unscaled
+    run), naming what is missing, the supported releases and how to run without ESS-LR.
+    VCPO's actor.ess_scaling alone: verl's own config check refuses the unknown node."""
+    tree = _without_actor_paths(src, tmp_path)
+    (r,) = run_ranks(_probe, args=("neither_probe", str(tree), "1"), tmp_path=tmp_path / "run")
+    assert r["import_error"].startswith("FailClosedError: ess-patch (verl)"), r["import_error"]
+    for part in (
+        "module verl.workers.engine_workers does not exist",
+        "module verl.workers.actor.megatron_actor does not exist",
+        SUPPORTED,
+        "ESS_LR_ENABLE is on in this process, so the run stops here",
+        "unset ESS_LR_ENABLE",
+    ):
+        assert part in r["import_error"]
+    assert r["targets"] == []  # rolled back, and recorded as such
+    assert r["import_error"].split(": ", 1)[1] in r["failure"]
+    assert "ess_scaling" in r["vcpo"] and r["vcpo"] != "ok"  # stops there too
+
+
+def _has_tinker(src: Path) -> bool:
+    return (src / "verl" / "workers" / "engine_workers_tinker.py").is_file()
+
+
+@pytest.mark.parametrize(
+    "src",
+    [
+        pytest.param(
+            p,
+            id=p.name,
+            marks=pytest.mark.skipif(
+                not _has_tinker(p), reason=f"{p.name} has no Tinker worker (verl main has it)"
+            ),
+        )
+        for p in NEWEST
+    ],
+)
+def test_the_tinker_worker_is_refused_while_ess_lr_is_on(tmp_path, src):
+    """verl main's Tinker worker steps the actor outside update_actor / train_batch: with
+    ESS_LR_ENABLE=1 or VCPO's key its forward_backward (the first call of a step) and
+    optimizer_step refuse by name, before verl's own code; off, verl's own code runs."""
+    (r,) = run_ranks(_probe, args=("tinker_probe", str(src)), tmp_path=tmp_path, timeout=240)
+    assert sorted(r["targets"]) == [
+        "verl.workers.engine_workers_tinker.TinkerActorRolloutRefWorker.forward_backward",
+        "verl.workers.engine_workers_tinker.TinkerActorRolloutRefWorker.optimizer_step",
+    ]
+    for request in ("env", "vcpo"):
+        for call in ("forward_backward", "optimizer_step"):
+            error = r[f"{request}_{call}"]
+            assert error.startswith("NotImplementedError: ESS-LR (verl): the Tinker worker"), error
+            assert "would run at the scheduled LR" in error and "ESS_LR_ENABLE" in error
+    for call in ("forward_backward", "optimizer_step"):  # verl's own assertion: no actor role
+        assert r[f"off_{call}"] == f"AssertionError: {call} only support actor role"
+
+
+@pytest.mark.parametrize("src", [*ONE_OF_EACH, *NEWEST], ids=lambda p: p.name)
 def test_doctor_names_the_supported_releases_and_the_path_used(tmp_path, src):
     (r,) = run_ranks(_probe, args=("doctor_probe", str(src)), tmp_path=tmp_path, timeout=240)
     assert r["problems"] == []
-    assert "supported: verl v0.7.0 (2026-01-05) to main @1dda039b9 (2026-08-22)" in "\n".join(
+    assert "supported: verl v0.6.0 (2025-10-15) to main @1dda039b9 (2026-08-22)" in "\n".join(
         r["lines"]
     )
     (shape,) = [line for line in r["lines"] if line.startswith("shape: verl: ")]
-    if has_legacy_actor(src):
-        assert "actor through the legacy Megatron actor and the engine path" in shape
-    else:
-        assert "actor through the engine path (no legacy actor)" in shape
+    assert path_shape(src) in shape
+    if not has_legacy_actor(src):
         assert "legacy actor none (removed in v0.8.0)" in shape
+    if not has_engine_path(src):
+        assert "engine none (before v0.7.0)" in shape

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import run_ranks
 from megatron_versions import child_env, installed_core
 from reference import reference_ess
-from test_verl import NEWEST, SKIP, SNAPSHOTS, _batch, _expected_scales, release
+from test_verl import NEWEST, SKIP, SNAPSHOTS, _batch, _expected_scales, has_engine_path, release
 from upstream import run_pytest
 from verl_wheel import WHEEL_VERSION, wheel_skip_reason, wheel_tree
 
@@ -43,8 +43,11 @@ ENV_INNER = "ESS_PATCH_VERL_INNER"
 CORE_FOR_09 = "0.17.1"
 
 WHEEL = f"verl-{WHEEL_VERSION}-wheel"
-#: every tree and the verl release it is
-RELEASES = {p.name: release(p) for p in SNAPSHOTS} | {WHEEL: Version(WHEEL_VERSION)}
+#: every tree with the engine path (from verl v0.7.0; v0.6.x's legacy actor is test_verl.py's)
+#: and the verl release it is
+RELEASES = {p.name: release(p) for p in SNAPSHOTS if has_engine_path(p)} | {
+    WHEEL: Version(WHEEL_VERSION)
+}
 FULL = [p.name for p in NEWEST] + [WHEEL]  # the full layout matrix (DP2, CP2, PP2)
 FEATURES = [p.name for p in NEWEST]  # VCPO keys, rollout, shadow, off, refusals
 

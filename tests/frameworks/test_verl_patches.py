@@ -20,6 +20,7 @@ from test_verl import (
     _check_applied,
     _expected_scales,
     _rank,
+    has_engine_path,
     has_legacy_actor,
 )
 
@@ -30,14 +31,23 @@ pytestmark = [pytest.mark.dist, pytest.mark.skipif(SKIP is not None, reason=SKIP
 
 #: the upstream commit each snapshot folder is (../shared/upstream/README.md)
 COMMITS = {
+    "verl-v0.6.0": "ddd86f527",
     "verl-b178a3cd5": "b178a3cd5",
     "verl-v0.7.0": "f9c855f7c",
     "verl-v0.8.0": "7aed6b230",
     "verl-1dda039b9": "1dda039b9",
 }
-#: what every series touches; the legacy actors' files only where they exist (verl < 0.8)
-ENGINE_FILES = {"verl/utils/config.py", "verl/workers/engine_workers.py"}
-LEGACY_FILES = {"verl/workers/actor/megatron_actor.py", "verl/workers/actor/dp_actor.py"}
+#: what the series touch, each file where the tree has it: the legacy actors (verl < 0.8),
+#: the engine path (verl >= 0.7), main's Tinker worker, and the config and the driver's Ray
+#: runtime environment in every release
+SERIES_FILES = {
+    "verl/utils/config.py",
+    "verl/trainer/constants_ppo.py",
+    "verl/workers/engine_workers.py",
+    "verl/workers/engine_workers_tinker.py",
+    "verl/workers/actor/megatron_actor.py",
+    "verl/workers/actor/dp_actor.py",
+}
 
 
 def _hashes(tree: Path) -> dict[str, str]:
@@ -59,8 +69,9 @@ def patched(request, tmp_path) -> Path:
     assert patches_main(["apply", "--target", str(tree)]) == 0
     assert patches_main(["check", "--target", str(tree)]) == 0
     after = _hashes(tree)
-    touched = ENGINE_FILES | (LEGACY_FILES if has_legacy_actor(request.param) else set())
+    touched = {f for f in SERIES_FILES if (request.param / f).is_file()}
     assert {k for k in before if before[k] != after[k]} == touched
+    assert {"verl/utils/config.py", "verl/trainer/constants_ppo.py"} < touched  # + an actor path
     return tree
 
 
@@ -79,7 +90,7 @@ def test_revert_restores_the_snapshot_byte_for_byte(patched):
             marks=pytest.mark.skipif(
                 not has_legacy_actor(p),
                 reason=f"{p.name} has no legacy Megatron actor (removed in verl v0.8.0): runs "
-                "on the trees that have it (v0.7.x, b178a3cd5)",
+                "on the trees that have it (v0.6.0, v0.7.x, b178a3cd5)",
             ),
         )
         for p in SNAPSHOTS
@@ -102,6 +113,22 @@ def _engine_rank(src: str, scenario: dict) -> dict:
     return verl_engine_rank.run(src, scenario)
 
 
+@pytest.mark.parametrize(
+    "patched",
+    [
+        pytest.param(
+            p,
+            id=p.name,
+            marks=pytest.mark.skipif(
+                not has_engine_path(p),
+                reason=f"{p.name} has no engine path (added in verl v0.7.0): runs on the "
+                "trees that have it (v0.7.x, b178a3cd5, v0.8.0, main)",
+            ),
+        )
+        for p in SNAPSHOTS
+    ],
+    indirect=True,
+)
 def test_patched_engine_path_scales_each_step_without_install(patched, tmp_path):
     """verl's real Megatron engine path (verl_engine_rank.py) on the patched copy, with the
     environment's megatron-core."""

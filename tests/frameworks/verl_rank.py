@@ -64,6 +64,13 @@ def has_legacy_actor() -> bool:
     return find_spec("verl.workers.actor") is not None
 
 
+def has_engine_path() -> bool:
+    """Whether the imported verl has the engine path's workers (from v0.7.0)."""
+    from importlib.util import find_spec
+
+    return find_spec("verl.workers.engine_workers") is not None
+
+
 def composed(src: str, overrides: list[str]) -> Any:
     """verl's own ``ppo_megatron_trainer`` config, composed by Hydra with ``overrides``."""
     from hydra import compose, initialize_config_dir
@@ -87,15 +94,17 @@ def _install(scenario: dict) -> None:
         ess_patch.install(scenario.get("integrations", "verl"))
         return
     from verl.utils import config
-    from verl.workers import engine_workers
 
     from ess_patch.vendored import is_vendored
 
-    decorated = [
-        vars(engine_workers.ActorRolloutRefWorker)["update_actor"],
-        vars(engine_workers.TrainingWorker)["train_batch"],
-        config.omega_conf_to_dataclass,
-    ]
+    decorated = [config.omega_conf_to_dataclass]
+    if has_engine_path():  # verl >= 0.7: the engine path
+        from verl.workers import engine_workers
+
+        decorated += [
+            vars(engine_workers.ActorRolloutRefWorker)["update_actor"],
+            vars(engine_workers.TrainingWorker)["train_batch"],
+        ]
     if has_legacy_actor():  # verl < 0.8: the legacy actors are patched too
         from verl.workers.actor import dp_actor, megatron_actor
 
@@ -343,12 +352,15 @@ def other_backends_probe(src: str) -> dict:
     import ess_patch
 
     ess_patch.install("verl")
-    from verl.workers.engine_workers import ActorRolloutRefWorker
-
     out: dict[str, Any] = {}
-    worker = object.__new__(ActorRolloutRefWorker)
-    vars(worker).update(actor=object(), config=OmegaConf.create({"actor": {"strategy": "fsdp"}}))
-    calls = [("engine", lambda: worker.update_actor(None))]
+    calls = []
+    if has_engine_path():
+        from verl.workers.engine_workers import ActorRolloutRefWorker
+
+        worker = object.__new__(ActorRolloutRefWorker)
+        config = OmegaConf.create({"actor": {"strategy": "fsdp"}})
+        vars(worker).update(actor=object(), config=config)
+        calls.append(("engine", lambda: worker.update_actor(None)))
     if has_legacy_actor():
         from verl.workers.actor.dp_actor import DataParallelPPOActor
 
@@ -377,27 +389,54 @@ RECIPE = [
 ]
 
 
-def recipe_probe(src: str) -> dict:
-    """The recipe through verl's own config, and the runtime environment ``main_ppo.run_ppo``
-    hands ``ray.init`` (its two lines, with verl's own ``get_ppo_ray_runtime_env``: importing
-    ``main_ppo`` itself needs torchdata, which the frameworks tier does not install): what
-    every Ray actor's environment gets, and the actor's ``ess_scaling`` node."""
+def _ray_init_env(config: Any) -> dict:
+    """The ``env_vars`` of the runtime environment ``main_ppo.run_ppo`` hands ``ray.init``:
+    its lines, with verl's own ``get_ppo_ray_runtime_env`` imported by name as ``main_ppo``
+    imports it (importing ``main_ppo`` itself needs torchdata, which the frameworks tier does
+    not install)."""
     import inspect
 
-    _import_verl(src)
     from omegaconf import OmegaConf
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
-    config = composed(src, RECIPE)
     takes_config = "config" in inspect.signature(get_ppo_ray_runtime_env).parameters
     default = get_ppo_ray_runtime_env(config) if takes_config else get_ppo_ray_runtime_env()
     ray_init_kwargs = config.ray_kwargs.get("ray_init", {})
     runtime_env = OmegaConf.merge(default, ray_init_kwargs.get("runtime_env", {}))
+    return OmegaConf.to_container(runtime_env)["env_vars"]
+
+
+def recipe_probe(src: str) -> dict:
+    """The recipe through verl's own config, and the runtime environment ``main_ppo.run_ppo``
+    hands ``ray.init``: what every Ray actor's environment gets, and the actor's
+    ``ess_scaling`` node."""
+    from omegaconf import OmegaConf
+
+    _import_verl(src)
+    config = composed(src, RECIPE)
     return {
-        "env_vars": OmegaConf.to_container(runtime_env)["env_vars"],
+        "env_vars": _ray_init_env(config),
         "ess_scaling": OmegaConf.to_container(config.actor_rollout_ref.actor.ess_scaling),
         "calculate_log_probs": config.actor_rollout_ref.rollout.calculate_log_probs,
     }
+
+
+def driver_probe(src: str, installed: str) -> dict:
+    """A driver with ``ESS_LR_ENABLE=1`` and ``ESS_LR_FLOOR=0.3`` in its environment, whose
+    command line puts ``ESS_LR_ENABLE`` in the Ray runtime environment but not the
+    auto-install: the ``env_vars`` every Ray actor starts with, with ess-patch running in the
+    driver (``installed`` "1": ``install("verl")`` before verl is imported) or not; and with
+    the user's explicit ``ESS_PATCH_AUTO_INSTALL=0`` there."""
+    os.environ.update(ESS_LR_ENABLE="1", ESS_LR_FLOOR="0.3")
+    if installed == "1":
+        import ess_patch
+
+        ess_patch.install("verl")
+    _import_verl(src)
+    env = "+ray_kwargs.ray_init.runtime_env.env_vars"
+    forgot = composed(src, [f"{env}.ESS_LR_ENABLE=1"])
+    opted_out = composed(src, [f"{env}.ESS_LR_ENABLE=1", f"{env}.ESS_PATCH_AUTO_INSTALL=0"])
+    return {"forgot": _ray_init_env(forgot), "opted_out": _ray_init_env(opted_out)}
 
 
 def engine_missing_probe(src: str) -> dict:
@@ -425,12 +464,16 @@ def engine_missing_probe(src: str) -> dict:
     return out
 
 
-def neither_probe(tree: str) -> dict:
+def neither_probe(tree: str, enable: str = "") -> dict:
     """A verl with neither the engine path nor the legacy actor (``tree``: a copy without
-    them), imported after install(): what is logged and recorded, and what stays patched.
-    (A host's import never fails because of ess-patch: the integration is rolled back.)"""
+    them), imported after install(): what is logged and recorded, what stays patched, and
+    what the import of ``verl.workers`` raised (with ``ESS_LR_ENABLE=enable``); then VCPO's
+    ``actor.ess_scaling`` through verl's own config check. (Without a request, a host's import
+    never fails because of ess-patch: the integration is rolled back.)"""
     import logging
 
+    if enable:
+        os.environ["ESS_LR_ENABLE"] = enable
     _import_verl(tree)
     import ess_patch
     from ess_patch.install import failed_integrations, installed_targets
@@ -441,13 +484,24 @@ def neither_probe(tree: str) -> dict:
     logging.getLogger("ess_patch").addHandler(handler)
     ess_patch.install("verl")
     import verl.utils.config
-    import verl.workers  # noqa: F401
 
-    return {
-        "failure": failed_integrations().get("verl", ""),
-        "logged": [r for r in records if "verl" in r],
-        "targets": [t for t in installed_targets() if t.startswith("verl")],
-    }
+    out: dict[str, Any] = {"import_error": ""}
+    try:
+        import verl.workers
+    except Exception as exc:
+        out["import_error"] = f"{type(exc).__name__}: {exc}"
+    node = composed(tree, ["+actor_rollout_ref.actor.ess_scaling.enable=true"])
+    try:
+        verl.utils.config.omega_conf_to_dataclass(node.actor_rollout_ref.actor)
+        out["vcpo"] = "ok"
+    except Exception as exc:
+        out["vcpo"] = f"{type(exc).__name__}: {exc}"
+    out.update(
+        failure=failed_integrations().get("verl", ""),
+        logged=[r for r in records if "verl" in r],
+        targets=[t for t in installed_targets() if t.startswith("verl")],
+    )
+    return out
 
 
 def doctor_probe(src: str) -> dict:
@@ -462,3 +516,43 @@ def doctor_probe(src: str) -> dict:
     report = collect()
     lines = [line for key, value in report.sections.items() if "verl" in key for line in value]
     return {"lines": lines, "problems": [p for p in report.problems if "verl" in p]}
+
+
+def tinker_probe(src: str) -> dict:
+    """verl main's Tinker worker (``TinkerActorRolloutRefWorker``, whose split
+    ``forward_backward`` / ``optimizer_step`` bypass ``update_actor``) after install("verl"),
+    with ESS-LR requested by ``ESS_LR_ENABLE=1``, by VCPO's key, and not at all: what each
+    call raised. Off, verl's own code runs (and here fails on its own: the worker has no actor
+    role)."""
+    from omegaconf import OmegaConf
+
+    _import_verl(src)
+    import ess_patch
+
+    ess_patch.install("verl")
+    from verl.workers.engine_workers_tinker import TinkerActorRolloutRefWorker
+
+    requests = {
+        "env": ({"ESS_LR_ENABLE": "1"}, {}),
+        "vcpo": ({}, {"ess_scaling": {"enable": True}}),
+        "off": ({}, {}),
+    }
+    calls = {
+        "forward_backward": lambda worker: worker.forward_backward(None),
+        "optimizer_step": lambda worker: worker.optimizer_step(),
+    }
+    out: dict[str, Any] = {}
+    for request, (env, actor) in requests.items():
+        os.environ.pop("ESS_LR_ENABLE", None)
+        os.environ.update(env)
+        worker = object.__new__(TinkerActorRolloutRefWorker)
+        config = OmegaConf.create({"actor": {"strategy": "megatron", **actor}})
+        vars(worker).update(config=config, role="rollout")
+        for name, call in calls.items():
+            try:
+                call(worker)
+                out[f"{request}_{name}"] = "ok"
+            except Exception as exc:
+                out[f"{request}_{name}"] = f"{type(exc).__name__}: {exc}"
+    out["targets"] = [t for t in ess_patch.installed_targets() if "Tinker" in t]
+    return out
