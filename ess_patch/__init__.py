@@ -22,7 +22,8 @@ from .lr import scaled_lr
 from .patching import MissingTargetError
 from .removed import removed_name
 from .result import EssLrResult
-from .state import StepCountError, arm, armed, disarm, exclude, set_role
+from .guard import EssLrNotAppliedError, arm
+from .state import StepCountError, armed, disarm, exclude, set_role
 
 if TYPE_CHECKING:
     from .compute import compute_ess_lr
@@ -58,6 +59,7 @@ __version__ = "0.3.0"
 __all__ = [
     "ConfigMismatchError",
     "EssLrConfig",
+    "EssLrNotAppliedError",
     "EssLrResult",
     "InvalidInputsElsewhereError",
     "MissingTargetError",
