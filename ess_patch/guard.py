@@ -38,10 +38,12 @@ from .state import STATE, is_scaled
 
 __all__ = [
     "ALLOW_UNSCALED",
+    "AUTO_INSTALL",
     "ATTACHED",
     "EssLrNotAppliedError",
     "allow_unscaled",
     "arm",
+    "auto_install_requested",
     "applied_scale",
     "check_applier",
     "fail_closed_after",
@@ -55,6 +57,9 @@ logger = logging.getLogger(__name__)
 #: The explicit opt-out: ``1``/``true``/``yes``/``on`` lets a run whose ESS-LR request cannot
 #: be honoured go on at the scheduled LR, with a WARNING per refusal.
 ALLOW_UNSCALED = "ESS_PATCH_ALLOW_UNSCALED"
+#: The auto-install's variable: set (to ``1`` or a list of integrations) in a process, a request.
+AUTO_INSTALL = "ESS_PATCH_AUTO_INSTALL"
+_OFF = ("", "0", "false", "no", "off")
 #: The instance attribute ``attach()`` keeps a torch optimizer's hook handles in.
 ATTACHED = "_ess_patch_step_hooks"
 _ON = ("1", "true", "yes", "on")
@@ -62,6 +67,15 @@ _ON = ("1", "true", "yes", "on")
 
 class EssLrNotAppliedError(RuntimeError):
     """ESS-LR was requested and a step would not apply it: the run stops here."""
+
+
+def auto_install_requested(environ: Mapping[str, str] | None = None) -> str | None:
+    """The integrations ``ESS_PATCH_AUTO_INSTALL`` asks for ("" = the default set), or None
+    (off)."""
+    value = (os.environ if environ is None else environ).get(AUTO_INSTALL, "").strip()
+    if value.lower() in _OFF:
+        return None
+    return "" if value.lower() in _ON else value
 
 
 def allow_unscaled(environ: Mapping[str, str] | None = None) -> bool:

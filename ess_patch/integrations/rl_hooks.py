@@ -21,6 +21,7 @@ from ..patching import MissingTargetError, Target
 from ..result import EssLrResult
 from ..guard import applied_scale, arm, check_applier, refuse
 from ..state import STATE, armed, disarm, set_role
+from .actors import check_actors_patched, check_in_actor, resolve_in_driver
 from .binding import bind, call_with
 from .flags import add_ess_arguments, compose_custom_arguments, config_from_args, shadow_requested
 from .loss_ledger import per_step_reason, start_run
@@ -191,10 +192,15 @@ def parse_args_wrapper(framework: Framework) -> Callable[..., Any]:
         user = call.arguments["add_custom_arguments"]
         parsed = call_with(wrapped, call, add_custom_arguments=compose_custom_arguments(user))
         validate(framework, parsed)
-        if framework.history is not None and (
-            getattr(parsed, "use_ess_lr", False) or shadow_requested(parsed)
-        ):
-            framework.history.choose_all()  # an unknown host fails here, not at a rollout
+        enabled = bool(getattr(parsed, "use_ess_lr", False))
+        if enabled or shadow_requested(parsed):
+            if framework.history is not None:
+                framework.history.choose_all()  # an unknown host fails here, not at a rollout
+            # the actors train: they get every setting through args, and ess-patch
+            resolve_in_driver(parsed)
+            check_actors_patched(
+                framework.name, parsed, "--use-ess-lr" if enabled else "--ess-lr-shadow"
+            )
         return parsed
 
     return wrapper
@@ -218,6 +224,8 @@ def advantage_wrapper(framework: Framework) -> Callable[..., Any]:
             )
         host_args = call.arguments.get("args")
         rollout_data = call.arguments.get("rollout_data")
+        if not check_in_actor(framework.name, host_args):  # a driver that was not patched
+            return wrapped(*args, **kwargs)
         enabled = bool(getattr(host_args, "use_ess_lr", False))
         if not enabled and not shadow_requested(host_args):
             return wrapped(*args, **kwargs)  # disabled: no collective, no state change
