@@ -23,7 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # Measured on 794abf9 (before the one granularity path): rollout 17 re-entries, step 21 and
 # one climb over two layers. Now: 9 and 17, no climb. A change that sends control back into a
 # module it had finished with more often fails here: look at the printed path.
-MAX_REENTRIES = {"rollout": 9, "step": 17}
+# Issue 35 adds three, each a check of the fail-closed guard: the actor's args checked
+# (rl_hooks > actors), arm() through the guard (guard > state > guard), the applied LR read
+# back at the step (attach > guard).
+MAX_REENTRIES = {"rollout": 11, "step": 18}
 
 
 def _trace_tool():
