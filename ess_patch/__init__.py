@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 from .attach import attach, detach
 from .config import EssLrConfig
+from .guard import EssLrNotAppliedError, arm
 from .install import install, installed_targets, is_installed, uninstall
 from .lr import scaled_lr
 from .patching import MissingTargetError
 from .removed import removed_name
 from .result import EssLrResult
-from .guard import EssLrNotAppliedError, arm
 from .state import StepCountError, armed, disarm, exclude, set_role
 
 if TYPE_CHECKING:

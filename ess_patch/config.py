@@ -11,13 +11,13 @@ from dataclasses import dataclass, field, fields
 
 __all__ = [
     "CHOICES",
+    "ENV_NAMES",
     "FINGERPRINT_SIZE",
     "GRANULARITIES",
     "HELP",
     "NONFINITE_POLICIES",
     "RULES",
     "WEIGHT_MODES",
-    "ENV_NAMES",
     "EssLrConfig",
     "check_env_names",
     "describe_fingerprint",

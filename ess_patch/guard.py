@@ -7,8 +7,9 @@ applies the armed scale, or the run stops with one error, the same on every rank
 reaches the same decision from the same inputs), naming the framework, what is missing and
 what to do, before the first step where that can be known:
 
-- :func:`check_applier` (from :func:`arm`, the public ``ess_patch.arm``): nothing that wraps an optimizer step is in effect
-  (``install(["slime"])``, the megatron integration rolled back by a late import);
+- :func:`check_applier` (from :func:`arm`, the public ``ess_patch.arm``): nothing that wraps
+  an optimizer step is in effect (``install(["slime"])``, the megatron integration rolled
+  back by a late import);
 - :func:`watch_steps`: torch's global optimizer-step hook, registered at the first ``arm()``;
   a ``torch.optim.Optimizer`` stepping while a scale is armed, outside ess-patch's step
   wrapper and not ``attach()``-ed (a plain torch optimizer under ``install()``), raises before
@@ -38,13 +39,13 @@ from .state import STATE, is_scaled
 
 __all__ = [
     "ALLOW_UNSCALED",
-    "AUTO_INSTALL",
     "ATTACHED",
+    "AUTO_INSTALL",
     "EssLrNotAppliedError",
     "allow_unscaled",
+    "applied_scale",
     "arm",
     "auto_install_requested",
-    "applied_scale",
     "check_applier",
     "fail_closed_after",
     "note_applied",

@@ -125,9 +125,7 @@ def test_hook_arms_the_rollout_result_and_changes_nothing_when_off(clean_ess):
     assert ess_patch.armed() == expected and expected.scale < 1
 
 
-def test_hook_with_missing_log_probs_stops_the_run_unless_opted_out(
-    clean_ess, caplog, monkeypatch
-):
+def test_hook_with_missing_log_probs_stops_the_run_unless_opted_out(clean_ess, caplog, monkeypatch):
     ess_patch.arm(0.5)  # the previous rollout's scale must not carry over
     with pytest.raises(ess_patch.EssLrNotAppliedError) as error:
         _call(Namespace(use_ess_lr=True), _rollout(log_probs=False))

@@ -90,7 +90,7 @@ def check_actors_patched(framework: str, args: Any, flag: str) -> None:
     refuse(
         framework,
         missing,
-        f"Add --train-env-vars '{{\"{AUTO_INSTALL}\": \"1\"}}' (with ess-patch installed from "
+        f'Add --train-env-vars \'{{"{AUTO_INSTALL}": "1"}}\' (with ess-patch installed from '
         f"its wheel) or --custom-megatron-init-path {INIT_PATH}",
     )
 

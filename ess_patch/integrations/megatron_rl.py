@@ -42,8 +42,8 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..patching import MissingTargetError, Target
 from ..guard import arm, refuse
+from ..patching import MissingTargetError, Target
 from ..state import STATE, armed, disarm
 from . import Integration
 from .binding import bind

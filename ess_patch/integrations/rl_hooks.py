@@ -17,9 +17,9 @@ from typing import Any, NamedTuple
 
 from .. import ledger
 from ..config import EssLrConfig
+from ..guard import applied_scale, arm, check_applier, refuse
 from ..patching import MissingTargetError, Target
 from ..result import EssLrResult
-from ..guard import applied_scale, arm, check_applier, refuse
 from ..state import STATE, armed, disarm, set_role
 from .actors import check_actors_patched, check_in_actor, resolve_in_driver
 from .binding import bind, call_with
@@ -416,7 +416,8 @@ def common_targets(
 
 def ess_metrics() -> dict[str, float]:
     """The metrics to log for this rollout (keys without ``train/``): the armed result's with
-    the scale the last step applied (:func:`applied_metrics`), else shadow mode's (its would-be scale as ``ess_lr_shadow_scale``, never ``lr_scale``), else {}.
+    the scale the last step applied (:func:`applied_metrics`), else shadow mode's (its
+    would-be scale as ``ess_lr_shadow_scale``, never ``lr_scale``), else {}.
 
     A rollout that was not measured gives only ``ess_lr_measured: 0``
     (:meth:`EssLrResult.metrics`); a critic process gives {} (it is never scaled)."""
