@@ -75,14 +75,14 @@ VENDORED = os.environ.get("ESS_PATCH_TEST_MODE") == "vendored"
 
 
 def _install() -> None:
-    """``install("megatron_rl")``; in vendored mode, a check instead that every target whose
+    """``install(["megatron", "megatron_rl"])``; in vendored mode, a check instead that every target whose
     module is imported already calls ess-patch through the diff (and nothing is installed)."""
     import importlib
 
     import ess_patch
 
     if not VENDORED:
-        ess_patch.install("megatron_rl")
+        ess_patch.install(["megatron", "megatron_rl"])
         return
     from ess_patch.install import INTEGRATIONS
     from ess_patch.vendored import is_vendored
