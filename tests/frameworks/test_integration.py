@@ -741,7 +741,7 @@ def test_fsdp_actor_attaches_its_optimizer_when_enabled(clean_ess):
         if enabled:  # attached: the armed scale applies
             actor.optimizer.step()
         else:  # a plain torch optimizer under install(), not attached: it never steps unscaled
-            with pytest.raises(ess_patch.EssLrNotAppliedError, match="SGD.step"):
+            with pytest.raises(ess_patch.EssLrNotAppliedError, match=r"SGD\.step"):
                 actor.optimizer.step()
         ess_patch.disarm()
         lr = 0.1 * 0.5 if enabled else 0.0

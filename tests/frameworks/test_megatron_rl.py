@@ -75,8 +75,9 @@ VENDORED = os.environ.get("ESS_PATCH_TEST_MODE") == "vendored"
 
 
 def _install() -> None:
-    """``install(["megatron", "megatron_rl"])``; in vendored mode, a check instead that every target whose
-    module is imported already calls ess-patch through the diff (and nothing is installed)."""
+    """``install(["megatron", "megatron_rl"])``; in vendored mode, a check instead that every
+    target whose module is imported already calls ess-patch through the diff (and nothing is
+    installed)."""
     import importlib
 
     import ess_patch
