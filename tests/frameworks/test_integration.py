@@ -496,7 +496,9 @@ def _miles_train_step(monkeypatch, flags, integrations=("megatron", "miles"), be
     if between is not None:
         between(setup)
     for inner in inner_optimizers(setup.optimizer):
-        inner.register_step_pre_hook(lambda o, a, k: seen["inside"].append(o.param_groups[0]["lr"]))
+        inner.optimizer.register_step_pre_hook(
+            lambda o, a, k: seen["inside"].append(o.param_groups[0]["lr"])
+        )
 
     def fake_forward_backward(**kw):  # miles' GPT forward cannot run on CPU: one real backward
         model = kw["model"][0]
