@@ -490,7 +490,7 @@ def _miles_train_step(monkeypatch, flags, integrations=("megatron", "miles"), be
 
     # the actor's own reference to the advantage routine arms the rollout's result
     rollout = _one_rollout_batch()
-    seen: dict = {"inside": []}
+    seen: dict = {"inside": [], "scheduled": []}
     actor_module.compute_advantages_and_returns(args, rollout)
     result = ess_patch.armed()
     if between is not None:
@@ -510,6 +510,7 @@ def _miles_train_step(monkeypatch, flags, integrations=("megatron", "miles"), be
             (g["lr"], p.detach().clone(), m.main_grad.clone())  # fp32: the grad it will use
             for g, p, m in param_triples(setup.optimizer)
         ]
+        seen["scheduled"].append(setup.optimizer.param_groups[0]["lr"])
         return [{"keys": ["loss"], "values": torch.tensor([1.0, loss.item()])}]
 
     logged = []
@@ -553,8 +554,8 @@ def test_miles_train_step_scales_once_restores_the_lr_and_logs(world, clean_ess,
     # each step logs what it applied, read back from the step: the LR inside the inner torch
     # optimizer's step over the scheduled LR (the same scale on both steps of the rollout)
     assert len(seen["inside"]) == 2
-    for record, inside in zip(logged, seen["inside"], strict=True):
-        assert record["train/lr_scale"] == inside / before[0][0]
+    for record, inside, scheduled in zip(logged, seen["inside"], seen["scheduled"], strict=True):
+        assert record["train/lr_scale"] == inside / scheduled
         assert record["train/lr_scale"] == pytest.approx(result.scale, rel=1e-12)
         assert record["train/rho_ess"] == result.rho
         assert record["train/ess_num_trajectories"] == 8
