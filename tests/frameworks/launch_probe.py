@@ -161,6 +161,32 @@ def _outcome(call) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
+def _advantages(fw: str, args) -> None:
+    """The train actor's own reference to the (installed) advantage routine, as its train()
+    calls it; ess-patch's checks run before upstream's code."""
+    actor = importlib.import_module(f"{fw}.backends.megatron_utils.actor")
+    actor.compute_advantages_and_returns(args, {"num_microbatches": [2], "log_probs": None})
+
+
+def unpatched_driver(fw: str, folder: str) -> dict:
+    """A driver that never installed ess-patch parses ``--use-ess-lr`` with the real
+    ``parse_args``; then this process becomes a train actor started with
+    ``ESS_PATCH_AUTO_INSTALL`` (what the ``.pth`` does: ``install()``) and gets those args."""
+    use_snapshot(fw, folder, "full")
+    parsed = _outcome(lambda: parse_upstream_args(fw, [*MINIMAL_ARGV, *BATCH, "--use-ess-lr"]))
+    if "error" in parsed:  # refused loudly: nothing to catch later
+        return {"parse": parsed["error"]}
+    import ess_patch
+
+    os.environ["ESS_PATCH_AUTO_INSTALL"] = "1"
+    ess_patch.install()
+    args = parsed["value"]
+    return {
+        "parse": {"has_use_ess_lr": hasattr(args, "use_ess_lr")},
+        "actor": _outcome(lambda: _advantages(fw, args)),
+    }
+
+
 def actors(fw: str, env: dict) -> dict:
     """The driver / actor split (issue 35), through the real ``parse_args`` and the installed
     advantage routine of the actor module (its checks run before upstream's code):
@@ -169,20 +195,12 @@ def actors(fw: str, env: dict) -> dict:
     - ``env_vars``: ``--train-env-vars`` with the auto-install, the ``.pth`` on disk or not;
     - ``resolved``: the driver, with ``env`` (``ESS_LR_*``), writes every setting into args;
       an actor without those variables reads the same config from args;
-    - ``disagree``: an actor whose own ``ESS_LR_FLOOR`` differs from the driver's;
-    - ``unpatched_driver``: args parsed before install() (the driver not patched) reach an
-      actor started with ``ESS_PATCH_AUTO_INSTALL``.
+    - ``disagree``: an actor whose own ``ESS_LR_FLOOR`` differs from the driver's.
     """
     import ess_patch
     from ess_patch.integrations.flags import config_from_args
 
     base = [a for a in MINIMAL_ARGV if a not in ACTORS_PATCHED]
-    actor = importlib.import_module(f"{fw}.backends.megatron_utils.actor")
-    rollout = {"num_microbatches": [2], "log_probs": None}
-
-    def advantages(args):  # the actor's own reference, as its train() calls it
-        return actor.compute_advantages_and_returns(args, rollout)
-
     out: dict = {}
     ess_patch.uninstall()
     os.environ.update(env)
@@ -203,19 +221,8 @@ def actors(fw: str, env: dict) -> dict:
     ess_patch.install()
     out["resolved"] = dataclasses.asdict(config_from_args(args))
     os.environ["ESS_LR_FLOOR"] = "0.2"
-    out["disagree"] = _outcome(lambda: advantages(args))
+    out["disagree"] = _outcome(lambda: _advantages(fw, args))
     del os.environ["ESS_LR_FLOOR"]
-    # a driver that was not patched: the real parse before install()
-    ess_patch.uninstall()
-    unpatched = _outcome(lambda: parse_upstream_args(fw, [*MINIMAL_ARGV, *BATCH, "--use-ess-lr"]))
-    out["unpatched_parse"] = unpatched.get("error") or {
-        "has_use_ess_lr": hasattr(unpatched["value"], "use_ess_lr")
-    }
-    if "value" in unpatched:
-        os.environ["ESS_PATCH_AUTO_INSTALL"] = "1"
-        ess_patch.install()
-        out["unpatched_driver"] = _outcome(lambda: advantages(unpatched["value"]))
-        del os.environ["ESS_PATCH_AUTO_INSTALL"]
     return out
 
 

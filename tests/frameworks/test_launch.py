@@ -209,11 +209,30 @@ def test_the_driver_and_its_actors_agree_or_the_run_stops(fw, folder, reports):
     disagree = out["disagree"]["error"]
     assert disagree.startswith(f"ValueError: ess-patch ({fw}): this train actor's ESS_LR_*")
     assert "ESS_LR_FLOOR='0.2' here, '0.3' in the driver" in disagree
-    # an unpatched driver: the flag is refused loudly, or dropped and then caught in the actor
-    parse = out["unpatched_parse"]
-    if parse == {"has_use_ess_lr": False}:  # ignore_unknown_args: dropped without a word
-        stopped = out["unpatched_driver"]["error"]
-        assert stopped.startswith(f"EssLrNotAppliedError: ess-patch ({fw})"), stopped
+
+
+UNPATCHED = """
+import sys
+sys.path.insert(0, {here!r})
+from launch_probe import unpatched_driver
+emit(unpatched_driver({fw!r}, {folder!r}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("fw", "folder"), _params())
+def test_an_unpatched_driver_is_caught_in_the_actor(fw, folder, fresh_python):
+    """slime >= v0.3.0 parses with ignore_unknown_args: without ess-patch in the driver,
+    --use-ess-lr is dropped without a word. An actor started with the auto-install stops at
+    its first advantage hook; a parser that refuses the flag fails loudly by itself."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ESS_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    code = UNPATCHED.format(here=str(HERE), fw=fw, folder=str(folder))
+    out = fresh_python(code, env, timeout=300).result
+    if out["parse"] == {"has_use_ess_lr": False}:  # dropped without a word
+        stopped = out["actor"].get("error", "")
+        assert stopped.startswith(f"EssLrNotAppliedError: ess-patch ({fw})"), out
         assert "the driver's parse_args was not patched" in stopped
+        assert "--use-ess-lr and every --ess-lr-* were dropped" in stopped
     else:
-        assert parse.startswith("SystemExit"), parse
+        assert out["parse"].startswith("SystemExit"), out  # argparse's own "unrecognized"
