@@ -224,7 +224,8 @@ def _step_guard(optimizer: Any, _args: tuple, _kwargs: dict) -> None:
             "Fix that and restart the job",
         )
         return
-    if STATE.armed is None and STATE.ledger_run is None:
+    measuring = STATE.ledger_run is not None and not STATE.ledger_run.shadow
+    if STATE.armed is None and not measuring:  # shadow mode never changes an LR
         return
     # inside ess-patch's step wrapper (megatron-core's inner torch optimizers), or attach()-ed
     if getattr(STATE.local, "in_step", False) or ATTACHED in vars(optimizer):
