@@ -233,7 +233,9 @@ def _bind_state(compute, state):
     return lambda args, data: compute(args, state, data)
 
 
-def rank_advantage_hook(fw: str, snapshot: str | None = None) -> dict:
+def rank_advantage_hook(fw: str, snapshot: str | None = None, rollout_log_probs=True) -> dict:
+    """The real routine before and after install(), off / shadow / on / critic; without
+    ``rollout_log_probs`` (a custom rollout function that fills none): what it raises."""
     import inspect
 
     from megatron.core import parallel_state as mpu
@@ -262,6 +264,14 @@ def rank_advantage_hook(fw: str, snapshot: str | None = None) -> dict:
     def compute():  # looked up at each call: install() replaces the module attribute
         return _bind_state(loss.compute_advantages_and_returns, state)
 
+    if not rollout_log_probs:
+        batch["rollout_log_probs"] = None
+        _install(["megatron", fw])
+        try:
+            _advantages(compute(), host_args(fw, True), batch)
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}", "armed": ess_patch.armed()}
+        return {"error": None, "armed": ess_patch.armed()}
     with _upstream(loss, "compute_advantages_and_returns"):
         plain, plain_calls = _advantages(compute(), host_args(fw, True), batch)
     _install(["megatron", fw])
@@ -332,6 +342,22 @@ def test_advantage_hook_arms_the_reference_scale_on_every_rank(fw, snapshot, tmp
         assert r["critic_role"] == "critic"
         if not VENDORED:  # the shape install() chose for this snapshot, recorded
             assert r["shapes"].startswith(f"{fw}: groups from ") and "hook " in r["shapes"]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("fw", _framework_params(LOSS))
+def test_a_rollout_without_rollout_log_probs_stops_the_run_on_every_rank(fw, tmp_path):
+    """A custom rollout function that fills no ``rollout_log_probs``: 0.3.0 warned per rank per
+    rollout and trained unscaled; now every rank of DP2 x CP2 raises the same clear error."""
+    results = run_ranks(
+        rank_advantage_hook, dp=DP, cp=CP, args=(fw, None, False), tmp_path=tmp_path, timeout=120
+    )
+    assert len(results) == DP * CP
+    for r in results:
+        assert r["armed"] is None
+        assert r["error"].startswith(f"EssLrNotAppliedError: ess-patch ({fw}): ESS-LR was req")
+        assert "the rollout engine returned no log-probs" in r["error"]
+        assert "Sample.rollout_log_probs" in r["error"]
 
 
 def rank_pipeline_hook(fw: str, snapshot: str) -> dict:
