@@ -217,7 +217,7 @@ def test_user_custom_arguments_still_apply(fw, clean_ess):
 
 
 def _advantages(compute, args, batch):
-    data = {k: list(v) for k, v in batch.items()}
+    data = {k: None if v is None else list(v) for k, v in batch.items()}
     with CollectiveCounter() as counter:
         compute(args, data)
     return data["advantages"], [name for name, _ in counter.calls]
