@@ -297,9 +297,15 @@ def rank_steps() -> dict:
             after_step = [g["lr"] for g in setup.optimizer.param_groups]
             setup.scheduler.step(increment=1)
             steps.append((scheduled, seen[-1], after_step))
-    # the next collection: nothing carried over, even before it arms its own
-    megatron_rl.prepare_wrapper(lambda: None, None, (), {})
-    return {"scale": scale, "steps": steps, "armed_after": ess_patch.armed()}
+    # the next collection: nothing carried over, even before it arms its own (this one arms
+    # none, which stops the run)
+    seen_next: list = []
+    stopped = None
+    try:
+        megatron_rl.prepare_wrapper(lambda: seen_next.append(ess_patch.armed()), None, (), {})
+    except ess_patch.EssLrNotAppliedError as exc:
+        stopped = str(exc)
+    return {"scale": scale, "steps": steps, "armed_after": seen_next, "stopped": stopped}
 
 
 @pytest.mark.dist
@@ -312,7 +318,7 @@ def test_every_optimizer_step_of_the_collection_is_scaled_and_restored(tmp_path)
             assert inside == pytest.approx([lr * r["scale"] for lr in scheduled], rel=1e-12)
             assert after == scheduled  # restored before the scheduler runs
         assert r["steps"][0][0] != r["steps"][1][0]  # the scheduler moved the LR in between
-        assert r["armed_after"] is None
+        assert r["armed_after"] == [None] and "had no inference log-probs" in r["stopped"]
 
 
 @pytest.mark.dist
