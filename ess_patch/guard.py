@@ -232,8 +232,9 @@ def _step_guard(optimizer: Any, _args: tuple, _kwargs: dict) -> None:
         return
     if not is_scaled(optimizer):  # a critic, an exclude()d optimizer
         return
+    installed = ", ".join(sorted(getattr(_installation(), "patches", None) or {}))
     refuse(
-        "optimizer step",
+        installed or "torch optimizer",
         f"this {type(optimizer).__name__}.step() runs outside every ess-patch step wrapper "
         "(a plain torch optimizer under install(), or a megatron-core optimizer whose "
         "integration is not installed)",
