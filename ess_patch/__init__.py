@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 from .attach import attach, detach
 from .config import EssLrConfig
+from .guard import EssLrNotAppliedError, arm
 from .install import install, installed_targets, is_installed, uninstall
 from .lr import scaled_lr
 from .patching import MissingTargetError
 from .removed import removed_name
 from .result import EssLrResult
-from .state import StepCountError, arm, armed, disarm, exclude, set_role
+from .state import StepCountError, armed, disarm, exclude, set_role
 
 if TYPE_CHECKING:
     from .baseline import BaselineResult, NonFiniteBaselineInputError, min_variance_baseline
@@ -69,6 +70,7 @@ __all__ = [
     "BaselineResult",
     "ConfigMismatchError",
     "EssLrConfig",
+    "EssLrNotAppliedError",
     "EssLrResult",
     "InvalidInputsElsewhereError",
     "MissingTargetError",

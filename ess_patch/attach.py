@@ -11,6 +11,7 @@ from typing import Any
 
 import wrapt
 
+from .guard import ATTACHED, note_applied
 from .ledger import begin_step
 from .lr import scaled_lr, step_wrapper
 from .patching import is_ours
@@ -84,7 +85,7 @@ def detach(optimizer: Any) -> None:
 
 # Instance attributes (not module state): the hook handles, and the scaled-LR block a step
 # is inside of between its pre- and post-hook.
-_HOOKS = "_ess_patch_step_hooks"
+_HOOKS = ATTACHED  # the step guard (guard.py) lets an attached optimizer's step through
 _PENDING = "_ess_patch_scaled_lr"
 
 
@@ -96,10 +97,14 @@ def _is_torch_optimizer(optimizer: Any) -> bool:
     return isinstance(optimizer, torch.optim.Optimizer)
 
 
-def _restore_pending(optimizer: Any) -> None:
+def _restore_pending(optimizer: Any) -> tuple | None:
+    """Put the LRs of a step in flight back; returns its ``(scheduled, applied, scale)``."""
     pending = vars(optimizer).pop(_PENDING, None)
-    if pending is not None:
-        pending.__exit__(None, None, None)
+    if pending is None:
+        return None
+    block, *record = pending
+    block.__exit__(None, None, None)
+    return tuple(record)
 
 
 def _pre_step(optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -108,11 +113,13 @@ def _pre_step(optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] |
     if STATE.armed is None and STATE.ledger_run is None:
         return None
     scale = begin_step(optimizer)
-    if scale is None or scale == 1.0:
+    if scale is None:
         return None
+    scheduled = [group.get("lr", 0.0) for group in optimizer.param_groups]
     block = scaled_lr(optimizer, scale)
     block.__enter__()
-    setattr(optimizer, _PENDING, block)
+    applied = [group.get("lr", 0.0) for group in optimizer.param_groups]
+    setattr(optimizer, _PENDING, (block, scheduled, applied, scale))
     return _guard_closure(optimizer, args, kwargs)
 
 
@@ -142,4 +149,6 @@ def _guarded(optimizer: Any, closure: Any) -> Any:
 
 
 def _post_step(optimizer: Any, _args: tuple, _kwargs: dict) -> None:
-    _restore_pending(optimizer)
+    record = _restore_pending(optimizer)
+    if record is not None:  # the step returned: what it applied is what the metrics report
+        note_applied(*record)

@@ -10,6 +10,13 @@ environment variable and imports nothing.
 
 The value is ``1``/``true``/``yes``/``on`` (install the integrations named by
 ``ESS_PATCH_INTEGRATIONS``, default all) or a comma-separated list of integration names.
+
+``--use-ess-lr`` (or ``--ess-lr-shadow``) on a process's own command line is a request too: the
+``.pth`` installs then as with ``ESS_PATCH_AUTO_INSTALL=1``. A driver that forgot
+``install()`` would otherwise hand them to a parser that drops unknown arguments without a
+word (slime >= v0.3.0); patched, the driver parses them and checks that its actors are patched.
+
+A failed auto-install stops every optimizer step of the process (``guard.fail_closed_after``).
 """
 
 from __future__ import annotations
@@ -17,21 +24,23 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["ENV", "megatron_init", "requested", "run"]
+from .guard import AUTO_INSTALL as ENV
+from .guard import auto_install_requested as requested
+
+__all__ = ["ENV", "FLAGS", "megatron_init", "requested", "requested_by_argv", "run"]
 
 logger = logging.getLogger(__name__)
 
-ENV = "ESS_PATCH_AUTO_INSTALL"
-_OFF = ("", "0", "false", "no", "off")
-_ON = ("1", "true", "yes", "on")
+#: Command-line flags that request ESS-LR in the process that parses them.
+FLAGS = ("--use-ess-lr", "--ess-lr-shadow")
 
 
-def requested(environ: dict[str, str] | None = None) -> str | None:
-    """The integrations the environment asks for ("" = the default set), or None (off)."""
-    value = (os.environ if environ is None else environ).get(ENV, "").strip()
-    if value.lower() in _OFF:
-        return None
-    return "" if value.lower() in _ON else value
+def requested_by_argv(argv: list[str] | None = None) -> bool:
+    """Whether this process's command line asks for ESS-LR (``--use-ess-lr``,
+    ``--ess-lr-shadow``)."""
+    import sys
+
+    return any(arg in FLAGS for arg in (getattr(sys, "argv", []) if argv is None else argv))
 
 
 def run() -> bool:
@@ -41,13 +50,19 @@ def run() -> bool:
     run twice in one process; the second call does nothing and says nothing. A failure is
     logged once: a bad ``ESS_LR_*`` value as one line naming it, anything else with its
     traceback. Returns whether ess-patch is installed afterwards. After a failure,
-    :func:`ess_patch.arm` in this process raises an error that says the auto-install failed
-    and why (where ESS-LR is used), while processes that never use ESS-LR run on.
+    :func:`ess_patch.arm` and every torch optimizer step in this process raise an error that
+    says the auto-install failed and why, while processes that never step an optimizer (a
+    rollout engine) run on.
     """
+    from .guard import fail_closed_after
     from .install import INSTALLATION, install, is_installed
 
     raw = os.environ.get(ENV, "")
     wanted = requested()
+    if wanted is None and requested_by_argv():
+        wanted = ""
+        raw = "(--use-ess-lr on the command line)"
+        logger.info("ess-patch: installing: ESS-LR is requested on this command line")
     if wanted is None:
         return False
     if INSTALLATION.autoinstall is not None:
@@ -58,12 +73,14 @@ def run() -> bool:
     except ValueError as exc:  # a setting the user gave (ESS_LR_FLOOR=5, an unknown name)
         INSTALLATION.autoinstall = f"failed: {exc}"
         INSTALLATION.autoinstall_error = exc  # arm() in this process raises it, named
+        fail_closed_after(exc)  # and so does every optimizer step
         logger.error(
             "ess-patch: %s=%r was set but not installed in this process: %s", ENV, raw, exc
         )
     except Exception as exc:  # a broken start-up must say so loudly, not kill every process
         INSTALLATION.autoinstall = f"failed: {type(exc).__name__}: {exc}"
         INSTALLATION.autoinstall_error = exc
+        fail_closed_after(exc)
         logger.exception("ess-patch: %s=%r was set but install() failed", ENV, raw)
     else:
         INSTALLATION.autoinstall = "installed"

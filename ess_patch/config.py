@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import zlib
@@ -12,6 +13,7 @@ __all__ = [
     "CHOICES",
     "DEFAULT_PATIENCE",
     "DEFAULT_THRESHOLD",
+    "ENV_NAMES",
     "FINGERPRINT_SIZE",
     "GRANULARITIES",
     "HELP",
@@ -20,6 +22,7 @@ __all__ = [
     "WEIGHT_MODES",
     "EssLrConfig",
     "check_rule",
+    "check_env_names",
     "describe_fingerprint",
 ]
 
@@ -214,9 +217,11 @@ class EssLrConfig:
         Raises:
             ValueError: a variable holds a value its field does not take; the message names
                 the variable, its value and the allowed values (checked one variable at a
-                time, so the first bad one is named, not the field behind it).
+                time, so the first bad one is named, not the field behind it). Or an
+                ``ESS_LR_*`` name ess-patch does not know (:func:`check_env_names`).
         """
         env = os.environ if environ is None else environ
+        check_env_names(env)
         values: dict[str, object] = {}
         for f in fields(cls):
             variable = _ENV_PREFIX + f.name.upper()
@@ -229,6 +234,28 @@ class EssLrConfig:
                 values[f.name] = raw
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
+
+
+#: Every ``ESS_LR_*`` variable ess-patch reads: one per field, and verl's switch.
+ENV_NAMES: tuple[str, ...] = (
+    *(_ENV_PREFIX + f.name.upper() for f in fields(EssLrConfig)),
+    _ENV_PREFIX + "ENABLE",
+)
+
+
+def check_env_names(environ: Mapping[str, str]) -> None:
+    """Refuse an ``ESS_LR_*`` variable that no setting reads (a typo would be ignored).
+
+    Raises:
+        ValueError: names the variable and the closest valid name.
+    """
+    for name in sorted(k for k in environ if k.startswith(_ENV_PREFIX) and k not in ENV_NAMES):
+        close = difflib.get_close_matches(name, ENV_NAMES, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise ValueError(
+            f"{name} is not an ESS-LR setting: {hint}Known: {', '.join(ENV_NAMES)}. Rename "
+            f"or unset {name}"
+        )
 
 
 #: What each ``ESS_LR_*`` variable takes, for the error that names a bad one.

@@ -110,6 +110,8 @@ def _install(integrations: Iterable[str] | str | None, config: EssLrConfig | Non
     STATE.config = config if config is not None else EssLrConfig.from_env()
     INSTALLATION.patches = {name: [] for name in names}
     INSTALLATION.failures = {}
+    # what the fail-closed guard takes as proof that an armed scale reaches a step
+    STATE.step_wrappers = {name for name in names if _wraps_steps(INTEGRATIONS[name])}
     try:
         for name in names:
             _check_version(INTEGRATIONS[name])
@@ -142,6 +144,7 @@ def _uninstall() -> None:
     INSTALLATION.patches = None
     INSTALLATION.failures = {}
     STATE.config = None
+    STATE.step_wrappers = set()
     for integration in INTEGRATIONS.values():  # re-detected at the next install (the host
         if integration.history is not None:  # may have changed)
             integration.history.clear()
@@ -179,6 +182,11 @@ def installed_shapes() -> dict[str, str]:
         for name in INSTALLATION.patches
         if INTEGRATIONS[name].history is not None
     }
+
+
+def _wraps_steps(integration: Integration) -> bool:
+    """Whether the integration wraps optimizer steps (what applies an armed scale)."""
+    return any(t.decorator == "optimizer_step" for t in integration.targets)
 
 
 def _select(integrations: Iterable[str] | str | None) -> list[str]:
@@ -277,6 +285,7 @@ def _roll_back(name: str, error: BaseException) -> None:
     if INTEGRATIONS[name].history is not None:
         INTEGRATIONS[name].history.clear()
     INSTALLATION.failures[name] = reason
+    STATE.step_wrappers.discard(name)
     remaining = ", ".join(INSTALLATION.patches or {}) or "none"
     logger.error(
         "ess-patch %s (rolled back after a late import; still installed: %s)", reason, remaining

@@ -101,6 +101,7 @@ def begin_step(optimizer: Any) -> float | None:
         if result is not None:
             check_scale(result.scale)
             STATE.armed = result
+            STATE.applied = None
     return STATE.armed.scale if STATE.armed is not None else None
 
 

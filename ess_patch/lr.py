@@ -7,11 +7,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from .guard import note_applied
 from .ledger import begin_step
 from .result import check_scale
 from .state import STATE
 
-__all__ = ["scaled_lr", "step_wrapper"]
+__all__ = ["applied_step", "scaled_lr", "step_wrapper"]
 
 
 @contextmanager
@@ -50,6 +51,19 @@ def scaled_lr(optimizer: Any, scale: float) -> Iterator[None]:
             group["lr"] = lr
 
 
+@contextmanager
+def applied_step(optimizer: Any, scale: float) -> Iterator[None]:
+    """:func:`scaled_lr` for one optimizer step that also records what the step applied: each
+    group's LR read before the block and inside it (``guard.note_applied``), kept once the
+    step returned. The metrics report that, never the armed result."""
+    groups = list(optimizer.param_groups)
+    scheduled = [group.get("lr", 0.0) for group in groups]
+    with scaled_lr(optimizer, scale):
+        applied = [group.get("lr", 0.0) for group in groups]
+        yield
+    note_applied(scheduled, applied, scale)
+
+
 def step_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper: run one optimizer step with the armed LR scale, LRs always restored.
 
@@ -70,9 +84,9 @@ def step_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
     try:
         # once per real step (a rollout measured inside the loss: reduces the step's ledger)
         scale = begin_step(instance)
-        if scale is None or scale == 1.0:
+        if scale is None:  # not the policy's optimizer (a critic, excluded)
             return wrapped(*args, **kwargs)
-        with scaled_lr(instance, scale):
+        with applied_step(instance, scale):
             return wrapped(*args, **kwargs)
     finally:
         local.in_step = False

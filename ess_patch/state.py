@@ -7,7 +7,6 @@ back to a fresh process's state (for tests). What ``install()`` patched is ``ins
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -52,6 +51,17 @@ class _EssState:
     applied_elsewhere: bool = False
     # arm() with nothing to apply it: warned once (reset() re-arms the warning)
     warned_no_effect: bool = False
+    # installed integrations that wrap optimizer steps (install.py keeps it, guard.py reads it)
+    step_wrappers: set = field(default_factory=set)
+    # the scale the last optimizer step applied since the current result was armed, read back
+    # from its param groups (guard.note_applied); None: no step yet. The metrics report it.
+    applied: float | None = None
+    # guard.py: torch's global step-hook handle (registered once per process, kept by
+    # reset()), a failed request (the auto-install's error: every step raises it) and the
+    # opt-out refusals already logged
+    step_guard: Any = None
+    request_error: BaseException | None = None
+    opt_outs_logged: set = field(default_factory=set)
     # what the integrations remember about the host (shapes chosen, signatures): each cache
     # lives with its integration and registers here, so that reset() clears every one
     caches: weakref.WeakSet = field(default_factory=weakref.WeakSet)
@@ -101,6 +111,9 @@ def reset() -> None:
     STATE.local = threading.local()
     STATE.warned_no_effect = False
     STATE.applied_elsewhere = False
+    STATE.applied = None
+    STATE.request_error = None
+    STATE.opt_outs_logged = set()
     for cache in list(STATE.caches):
         cache.clear()
     STATE.ledger_run = None
@@ -112,23 +125,22 @@ def reset() -> None:
 
 
 def arm(result_or_scale: EssLrResult | float) -> EssLrResult:
-    """Arm a rollout's result (or a bare scale in (0, 1]) for the coming optimizer steps.
+    """Set a rollout's result (or a bare scale in (0, 1]) for the coming optimizer steps.
 
     It stays armed until the next ``arm`` or ``disarm``: every step of the rollout uses it.
+    This is the bare setter: ``ess_patch.arm`` (:func:`ess_patch.guard.arm`) first checks
+    that something applies the scale, and framework hooks arm through it.
 
     Raises:
-        ValueError: a scale outside (0, 1]; or the auto-install (``ESS_PATCH_AUTO_INSTALL``)
-            failed on a bad setting in this process and nothing else applies the scale (the
-            message names the variable). RuntimeError: it failed for another reason.
-            Nothing is armed then.
+        ValueError: a scale outside (0, 1]; nothing is armed then.
     """
     if isinstance(result_or_scale, EssLrResult):
         check_scale(result_or_scale.scale)
         result = result_or_scale
     else:
         result = EssLrResult.from_scale(result_or_scale)
-    check_something_applies()
     STATE.armed = result
+    STATE.applied = None  # no step has applied this result yet
     logger.debug(
         "armed ESS-LR scale %.6g (rho %.6g, status %s)", result.scale, result.rho, result.status
     )
@@ -137,46 +149,8 @@ def arm(result_or_scale: EssLrResult | float) -> EssLrResult:
 
 def note_applier() -> None:
     """Record that something besides ``install()`` applies armed scales (``attach``, a
-    vendored optimizer step), for :func:`arm`'s warning."""
+    vendored optimizer step), for the guard's check (:func:`ess_patch.guard.check_applier`)."""
     STATE.applied_elsewhere = True
-
-
-def check_something_applies() -> None:
-    """Warn once (or raise, after a failed auto-install) when nothing in this process would
-    apply an armed scale: :func:`arm`, and a rollout measured inside the loss, call it."""
-    # Nothing reads STATE.armed unless install() wrapped something, an optimizer was
-    # attached, or a vendored tree decorated its optimizer steps: say so, once.
-    # install() sets config and uninstall() clears it: config is set while install() is in effect
-    if STATE.config is not None or STATE.applied_elsewhere:
-        return
-    failure = _autoinstall_failure()
-    if failure is not None:
-        raise failure
-    if STATE.warned_no_effect:
-        return
-    STATE.warned_no_effect = True
-    logger.warning(
-        "ess_patch.arm(): nothing in this process applies the armed scale (install() was not "
-        "called, no optimizer is attach()ed, no vendored optimizer step): optimizer steps use "
-        "the scheduled LR unchanged. Call ess_patch.install() or ess_patch.attach(optimizer) "
-        "first. (Said once per process.)"
-    )
-
-
-def _autoinstall_failure() -> Exception | None:
-    """The error for an ``arm()`` in a process whose auto-install failed, or None."""
-    # install.py imports this module, so its record is read where it lives, not imported
-    installation = getattr(sys.modules.get(f"{__package__}.install"), "INSTALLATION", None)
-    error = getattr(installation, "autoinstall_error", None)
-    if error is None:
-        return None
-    kind = ValueError if isinstance(error, ValueError) else RuntimeError
-    return kind(
-        "ess_patch.arm(): ESS-LR was requested in this process (ESS_PATCH_AUTO_INSTALL) but "
-        f"its auto-install failed at start-up: {type(error).__name__}: {error}. Nothing "
-        "applies the scale, so nothing was armed; fix that and restart the process (or call "
-        "ess_patch.install() / ess_patch.attach(optimizer) yourself)"
-    )
 
 
 def armed() -> EssLrResult | None:
@@ -187,6 +161,7 @@ def armed() -> EssLrResult | None:
 def disarm() -> None:
     """Reset to the no-op: the coming optimizer steps use the scheduled LR unchanged."""
     STATE.armed = None
+    STATE.applied = None
 
 
 class StepCountError(RuntimeError):

@@ -190,17 +190,22 @@ def test_an_unmeasured_rollout_says_so_and_logs_no_rho(status, clean_ess):
     assert ess_metrics() == {"ess_lr_measured": 0.0}
 
 
-def test_a_measured_rollout_logs_its_values(clean_ess):
-    ess_patch.install("megatron")
+def test_a_measured_rollout_logs_what_its_step_applied(clean_ess):
+    param = torch.nn.Parameter(torch.ones(2))
+    optimizer = ess_patch.attach(torch.optim.SGD([param], lr=0.1))
     result = EssLrResult(scale=0.5, rho=0.25, ess=2.0, num_trajectories=8)
     ess_patch.arm(result)
-    assert ess_metrics() == {
-        "lr_scale": 0.5,
-        "rho_ess": 0.25,
-        "ess": 2.0,
-        "ess_num_trajectories": 8.0,
-        "ess_num_nonfinite": 0.0,
-    }
+    values = {"rho_ess": 0.25, "ess": 2.0, "ess_num_trajectories": 8.0, "ess_num_nonfinite": 0.0}
+    # before any step: the armed scale is not reported as applied
+    assert ess_metrics() == {**values, "ess_lr_armed_scale": 0.5}
+    seen = []
+    optimizer.register_step_pre_hook(lambda opt, a, k: seen.append(opt.param_groups[0]["lr"]))
+    param.grad = torch.ones(2)
+    optimizer.step()
+    # read back from the step: the LR inside it over the scheduled LR (0.05 / 0.1)
+    assert seen == [pytest.approx(0.05)] and optimizer.param_groups[0]["lr"] == 0.1
+    assert ess_metrics() == {**values, "lr_scale": pytest.approx(0.05 / 0.1)}
+    ess_patch.detach(optimizer)
 
 
 def test_shadow_mode_of_an_unmeasured_rollout_says_so(clean_ess):
@@ -264,9 +269,10 @@ def test_without_the_critic_entry_rollout_zero_was_taken_for_the_policy(clean_es
     ess_patch.install("megatron")
     args = _parse(["--use-ess-lr"])
     args.loss_type = "policy_loss"
-    with caplog.at_level(logging.WARNING, logger="ess_patch"):
+    # taken for the policy: its rollout (no log-probs) stops the run as a policy's would
+    with pytest.raises(ess_patch.EssLrNotAppliedError, match="cannot be measured"):
         _Critic(args).train_critic(0, _critic_rollout())
-    assert "not measured" in caplog.text and STATE.role == "policy"
+    assert STATE.role == "policy"
 
 
 def test_the_critic_role_comes_from_the_args_too(clean_ess):

@@ -302,10 +302,15 @@ def test_attach_and_a_torch_scheduler_in_either_order(first):
     assert opt.param_groups[0]["lr"] == 0.05
     ess_patch.detach(opt)
     assert getattr(vars(opt).get("step"), "_wrapped_by_lr_sched", False)  # the scheduler's stays
-    # detached: the next step uses the scheduled LR, and the scheduler still counts steps
     before = [p.detach().clone() for p in model.parameters()]
     opt.zero_grad()
     model(torch.ones(4, 3)).sum().backward()
+    # detached with a scale still armed: the step refuses to run unscaled (fail closed)
+    with pytest.raises(ess_patch.EssLrNotAppliedError, match=r"SGD\.step\(\) runs outside"):
+        opt.step()
+    assert all(torch.equal(p0, p.detach()) for p0, p in zip(before, model.parameters()))
+    # detached and disarmed: the next step uses the scheduled LR, the scheduler still counts
+    ess_patch.disarm()
     opt.step()
     for p0, p in zip(before, model.parameters()):
         assert torch.equal(p.detach(), p0.add(p.grad, alpha=-0.05))

@@ -125,13 +125,20 @@ def test_hook_arms_the_rollout_result_and_changes_nothing_when_off(clean_ess):
     assert ess_patch.armed() == expected and expected.scale < 1
 
 
-def test_hook_with_missing_log_probs_is_a_logged_noop(clean_ess, caplog):
+def test_hook_with_missing_log_probs_stops_the_run_unless_opted_out(clean_ess, caplog, monkeypatch):
     ess_patch.arm(0.5)  # the previous rollout's scale must not carry over
+    with pytest.raises(ess_patch.EssLrNotAppliedError) as error:
+        _call(Namespace(use_ess_lr=True), _rollout(log_probs=False))
+    assert "(single)" in str(error.value) and "Add --get-mismatch-metrics" in str(error.value)
+    assert "ESS_PATCH_ALLOW_UNSCALED=1" in str(error.value)
+    assert ess_patch.armed() is None  # nothing armed: the previous scale is gone too
+    # the opt-out: logged as such, and the rollout is a no-op
+    monkeypatch.setenv("ESS_PATCH_ALLOW_UNSCALED", "1")
     with caplog.at_level(logging.WARNING, logger="ess_patch"):
         _call(Namespace(use_ess_lr=True), _rollout(log_probs=False))
     assert ess_patch.armed().status == "missing" and ess_patch.armed().scale == 1.0
-    assert "this rollout was not measured" in caplog.text
-    assert "Fix: add --get-mismatch-metrics" in caplog.text  # the warning names the fix
+    assert "ESS_PATCH_ALLOW_UNSCALED=1 (opt-out): going on unscaled" in caplog.text
+    assert "Add --get-mismatch-metrics" in caplog.text  # the warning names the fix
 
 
 def test_critic_is_never_armed(clean_ess):

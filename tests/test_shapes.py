@@ -207,7 +207,9 @@ def test_miles_log_wrapper_binds_role_and_extra_metrics_by_name(clean_ess):
     positional, _ = log_train_step_wrapper(_log_train_step, None, (*base, "actor", {"a": 1}), {})
     keyword, _ = log_train_step_wrapper(_log_train_step, None, base, {"extra_metrics": {"a": 1}})
     critic, role = log_train_step_wrapper(_log_train_step, None, base, {"role": "critic"})
-    assert positional == keyword == {"a": 1, **ess_patch.armed().metrics()}
+    # no step has applied it yet: the armed scale is not reported as lr_scale
+    expected = {k: v for k, v in ess_patch.armed().metrics().items() if k != "lr_scale"}
+    assert positional == keyword == {"a": 1, **expected, "ess_lr_armed_scale": 0.5}
     assert (critic, role) == ({}, "critic")
 
 
@@ -217,7 +219,8 @@ def test_slime_log_wrapper_keeps_extra_keyword_arguments(clean_ess):
 
     ess_patch.arm(0.5)
     metrics, kwargs = log_wrapper(log, None, (None, {"x": 1}), {"step_key": "train/step", "z": 2})
-    assert kwargs == {"z": 2} and metrics["train/lr_scale"] == 0.5 and metrics["x"] == 1
+    assert kwargs == {"z": 2} and metrics["train/ess_lr_armed_scale"] == 0.5
+    assert metrics["x"] == 1 and "train/lr_scale" not in metrics  # no step applied it yet
     metrics, _ = log_wrapper(log, None, (None, {"x": 1}, "rollout/step"), {})
     assert metrics == {"x": 1}
 

@@ -43,8 +43,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .. import collapse_warning
+from ..guard import arm, refuse
 from ..patching import MissingTargetError, Target
-from ..state import STATE, arm, armed, disarm
+from ..state import STATE, armed, disarm
 from . import Integration
 from .binding import bind
 from .rl_hooks import (
@@ -498,18 +499,24 @@ def packed_stats_wrapper(
 
 
 def prepare_wrapper(wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict) -> Any:
-    """A new collection replaces the last one's ESS; say so when it armed none."""
-    if _enabled() is None:
+    """A new collection replaces the last one's ESS; one that armed none stops the run
+    (shadow mode: says so)."""
+    enabled = _enabled()
+    if enabled is None:
         return wrapped(*args, **kwargs)
+    shadow = enabled[1]
     disarm()
     STATE.shadow = None
     out = wrapped(*args, **kwargs)
     if armed() is None and STATE.shadow is None:
-        logger.warning(
-            "ess-patch (%s): this rollout collection had no inference log-probs; ESS-LR "
-            "is a no-op for it (the LR is the scheduled one)",
-            NAME,
+        missing = "this rollout collection had no inference log-probs (nothing was measured)"
+        fix = (
+            "Use an inference backend that returns log-probs and keep "
+            "--rl-inference-logprobs-is-correction on"
         )
+        if not shadow:
+            refuse(NAME, missing, fix)
+        logger.warning("ess-patch (%s): %s; shadow mode logs nothing for it", NAME, missing)
     return out
 
 

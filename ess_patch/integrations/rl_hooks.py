@@ -17,9 +17,11 @@ from typing import Any, NamedTuple
 
 from .. import collapse_warning, ledger
 from ..config import EssLrConfig
+from ..guard import applied_scale, arm, check_applier, refuse
 from ..patching import MissingTargetError, Target
 from ..result import EssLrResult
-from ..state import STATE, arm, armed, check_something_applies, disarm, set_role
+from ..state import STATE, armed, disarm, set_role
+from .actors import check_actors_patched, check_in_actor, resolve_in_driver
 from .binding import bind, call_with
 from .flags import add_ess_arguments, compose_custom_arguments, config_from_args, shadow_requested
 from .loss_ledger import per_step_reason, start_run
@@ -190,10 +192,15 @@ def parse_args_wrapper(framework: Framework) -> Callable[..., Any]:
         user = call.arguments["add_custom_arguments"]
         parsed = call_with(wrapped, call, add_custom_arguments=compose_custom_arguments(user))
         validate(framework, parsed)
-        if framework.history is not None and (
-            getattr(parsed, "use_ess_lr", False) or shadow_requested(parsed)
-        ):
-            framework.history.choose_all()  # an unknown host fails here, not at a rollout
+        enabled = bool(getattr(parsed, "use_ess_lr", False))
+        if enabled or shadow_requested(parsed):
+            if framework.history is not None:
+                framework.history.choose_all()  # an unknown host fails here, not at a rollout
+            # the actors train: they get every setting through args, and ess-patch
+            resolve_in_driver(parsed)
+            check_actors_patched(
+                framework.name, parsed, "--use-ess-lr" if enabled else "--ess-lr-shadow"
+            )
         return parsed
 
     return wrapper
@@ -217,6 +224,8 @@ def advantage_wrapper(framework: Framework) -> Callable[..., Any]:
             )
         host_args = call.arguments.get("args")
         rollout_data = call.arguments.get("rollout_data")
+        if not check_in_actor(framework.name, host_args):  # a driver that was not patched
+            return wrapped(*args, **kwargs)
         enabled = bool(getattr(host_args, "use_ess_lr", False))
         if not enabled and not shadow_requested(host_args):
             return wrapped(*args, **kwargs)  # disabled: no collective, no state change
@@ -231,7 +240,9 @@ def advantage_wrapper(framework: Framework) -> Callable[..., Any]:
         config = config_from_args(host_args)
         if _start_ledger(framework, host_args, config, rollout_data, groups, shadow=not enabled):
             return out
-        result = compute_from_rollout(framework, host_args, rollout_data, groups, config)
+        result = compute_from_rollout(
+            framework, host_args, rollout_data, groups, config, shadow=not enabled
+        )
         collapse_warning.observe(result, config, applied=enabled, framework=framework.name)
         if enabled:
             arm(result)
@@ -260,7 +271,7 @@ def _start_ledger(
     if reason is None:
         return False
     if not shadow:  # what arm() says when nothing would apply the step's scale
-        check_something_applies()
+        check_applier()
     start_run(framework.name, args, config, groups, reason, shadow=shadow)
     logger.debug("ess-patch (%s): measuring inside the policy loss: %s", framework.name, reason)
     return True
@@ -284,13 +295,19 @@ def compute_from_rollout(
     rollout_data: dict,
     groups: Groups | None = None,
     config: EssLrConfig | None = None,
+    *,
+    shadow: bool = False,
 ) -> EssLrResult:
     """This rollout's result, identical on every rank of the actor (arms nothing): one
     ``compute_ess_lr`` call on every pipeline stage, so that a fault on any rank of
     DP x CP x PP reaches every rank.
 
     ``groups``: the process groups (default: ``framework.groups()``); ``config``: the settings
-    (default: from ``args``)."""
+    (default: from ``args``).
+
+    Raises:
+        EssLrNotAppliedError: the rollout has no log-probs to measure (on every rank alike:
+            the status is agreed in the collectives), unless ``shadow`` or opted out."""
     # Imported here: install() (run at start-up by the auto-install) must not import torch.
     from ..compute import compute_ess_lr
 
@@ -311,7 +328,7 @@ def compute_from_rollout(
         error=error,
     )
     if out.status == "missing":
-        _warn_missing(framework, rollout_data)
+        _missing(framework, rollout_data, shadow)
     return out
 
 
@@ -337,31 +354,36 @@ def _local_masks(masks: Any, groups: Groups, args: Any, rollout_data: dict) -> A
     )
 
 
-#: What to change when a rollout reaches the hook without one of the two log-prob inputs.
+#: What is missing, and what to change, when a rollout reaches the hook without one of the
+#: two log-prob inputs.
 MISSING_FIX = {
     "log_probs": (
         "the train log-probs (rollout_data['log_probs']) were not recomputed before the "
-        "advantages: slime >= v0.3.0 skips that forward pass when one optimizer step per rollout "
-        "reuses them inside the loss, and --use-rollout-logprobs without --get-mismatch-metrics "
-        "skips it too. Fix: add --get-mismatch-metrics (forces the log-prob forward: one extra "
-        "forward pass per rollout)"
+        "advantages (--use-rollout-logprobs without --get-mismatch-metrics skips that forward)",
+        "Add --get-mismatch-metrics (forces the log-prob forward: one extra forward pass per "
+        "rollout)",
     ),
     "rollout_log_probs": (
-        "the rollout engine returned no log-probs (rollout_data['rollout_log_probs']). Fix: make "
-        "the rollout return them (a custom rollout function must fill "
-        "Sample.rollout_log_probs)"
+        "the rollout engine returned no log-probs (rollout_data['rollout_log_probs'])",
+        "Make the rollout return them (a custom rollout function must fill "
+        "Sample.rollout_log_probs)",
     ),
 }
 
 
-def _warn_missing(framework: Framework, rollout_data: dict) -> None:
+def _missing(framework: Framework, rollout_data: dict, shadow: bool) -> None:
+    """A rollout without log-probs: stop the run (on every rank: the status is agreed);
+    shadow mode, which never changes an LR, only says so."""
     key = "log_probs" if rollout_data.get("log_probs") is None else "rollout_log_probs"
+    missing, fix = MISSING_FIX[key]
+    if not shadow:
+        refuse(framework.name, f"this rollout cannot be measured: {missing}", fix)
     logger.warning(
-        "ess-patch (%s): this rollout was not measured, on this rank or another: %s. Its LR is "
-        "not scaled and its metrics say train/ess_lr_measured 0 (no train/lr_scale, "
-        "train/rho_ess)",
+        "ess-patch (%s): this rollout was not measured, on this rank or another: %s. %s. Its "
+        "metrics say train/ess_lr_measured 0 (no train/lr_scale, train/rho_ess)",
         framework.name,
-        MISSING_FIX[key],
+        missing,
+        fix,
     )
 
 
@@ -394,8 +416,9 @@ def common_targets(
 
 
 def ess_metrics() -> dict[str, float]:
-    """The metrics to log for this rollout (keys without ``train/``): the armed result's, else
-    shadow mode's (its would-be scale as ``ess_lr_shadow_scale``, never ``lr_scale``), else {}.
+    """The metrics to log for this rollout (keys without ``train/``): the armed result's with
+    the scale the last step applied (:func:`applied_metrics`), else shadow mode's (its
+    would-be scale as ``ess_lr_shadow_scale``, never ``lr_scale``), else {}.
 
     A rollout that was not measured gives only ``ess_lr_measured: 0``
     (:meth:`EssLrResult.metrics`); a critic process gives {} (it is never scaled)."""
@@ -403,10 +426,27 @@ def ess_metrics() -> dict[str, float]:
         return {}
     result = armed()
     if result is not None:
-        return result.metrics()
+        return applied_metrics(result)
     if STATE.shadow is None:
         return {}
     return result_metrics(STATE.shadow, applied=False)
+
+
+def applied_metrics(result: EssLrResult) -> dict[str, float]:
+    """``result``'s metrics with ``lr_scale`` read back from the last optimizer step since it
+    was armed (``guard.applied_scale``: that step's applied LR / scheduled LR), never copied
+    from the result. Before any step (Megatron-RL logs a collection before training on it) the
+    scale armed for the coming steps is ``ess_lr_armed_scale``, and there is no ``lr_scale``."""
+    metrics = result.metrics()
+    if "lr_scale" not in metrics:
+        return metrics
+    scale = metrics.pop("lr_scale")
+    applied = applied_scale()
+    if applied is None:
+        metrics["ess_lr_armed_scale"] = scale
+    else:
+        metrics["lr_scale"] = applied
+    return metrics
 
 
 def result_metrics(result: EssLrResult, *, applied: bool) -> dict[str, float]:

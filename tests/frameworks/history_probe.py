@@ -88,6 +88,21 @@ def slime_import_time_error() -> dict:
     return out
 
 
+def _applied(result) -> None:
+    """Arm ``result`` and run one optimizer step that applies it (an attach()ed torch SGD): the
+    metrics report what a step applied, read back from it."""
+    import torch
+
+    import ess_patch
+
+    param = torch.nn.Parameter(torch.ones(1))
+    optimizer = ess_patch.attach(torch.optim.SGD([param], lr=0.5))
+    ess_patch.arm(result)
+    param.grad = torch.ones(1)
+    optimizer.step()
+    ess_patch.detach(optimizer)
+
+
 def miles_metrics() -> dict:
     from miles.backends.megatron_utils import model
     from miles.backends.training_utils import log_utils
@@ -97,7 +112,7 @@ def miles_metrics() -> dict:
     args = Namespace()
     common = dict(loss_dict={"loss": 1.0}, grad_norm=0.5, rollout_id=1, step_id=2)
     plain = log_utils.log_train_step(args, *common.values(), 4, should_log=False)
-    ess_patch.arm(ess_patch.EssLrResult(**RESULT))
+    _applied(ess_patch.EssLrResult(**RESULT))
     try:
         # positional, through the name megatron_utils.model imported (as train() calls it)
         positional = model.log_train_step(
@@ -135,7 +150,7 @@ def slime_metrics() -> dict:
     module.wandb = Namespace(log=logged.append)  # the module's own reference, as slime's test
     args = Namespace(use_wandb=True, use_tensorboard=False)
     module.log(args, {"train/loss": 1.0, "train/step": 3}, step_key="train/step")
-    ess_patch.arm(ess_patch.EssLrResult(**RESULT))
+    _applied(ess_patch.EssLrResult(**RESULT))
     try:
         module.log(args, {"train/loss": 1.0, "train/step": 3}, step_key="train/step")
         module.log(args, {"train/loss": 1.0, "train/step": 4}, "train/step")

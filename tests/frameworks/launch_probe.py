@@ -25,7 +25,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
-from upstream import MINIMAL_ARGV, parse_upstream_args, use_snapshot  # noqa: E402
+from upstream import (  # noqa: E402
+    ACTORS_PATCHED,
+    MINIMAL_ARGV,
+    parse_upstream_args,
+    use_snapshot,
+)
 
 # slime v0.2.0 validates rollout_batch_size * n_samples_per_prompt % global_batch_size
 BATCH = ("--global-batch-size", "4")
@@ -146,6 +151,81 @@ def critic_log(fw: str) -> dict:
     return logged[0]
 
 
+def _outcome(call) -> dict:
+    """``call()``'s return value, or its error as text (argparse's exit as ``SystemExit``)."""
+    try:
+        return {"value": call()}
+    except SystemExit as exc:
+        return {"error": f"SystemExit {exc.code}"}
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _advantages(fw: str, args) -> None:
+    """The train actor's own reference to the (installed) advantage routine, as its train()
+    calls it; ess-patch's checks run before upstream's code."""
+    actor = importlib.import_module(f"{fw}.backends.megatron_utils.actor")
+    actor.compute_advantages_and_returns(args, {"num_microbatches": [2], "log_probs": None})
+
+
+def unpatched_driver(fw: str, folder: str) -> dict:
+    """A driver that never installed ess-patch parses ``--use-ess-lr`` with the real
+    ``parse_args``; then this process becomes a train actor started with
+    ``ESS_PATCH_AUTO_INSTALL`` (what the ``.pth`` does: ``install()``) and gets those args."""
+    use_snapshot(fw, folder, "full")
+    parsed = _outcome(lambda: parse_upstream_args(fw, [*MINIMAL_ARGV, *BATCH, "--use-ess-lr"]))
+    if "error" in parsed:  # refused loudly: nothing to catch later
+        return {"parse": parsed["error"]}
+    import ess_patch
+
+    os.environ["ESS_PATCH_AUTO_INSTALL"] = "1"
+    ess_patch.install()
+    args = parsed["value"]
+    return {
+        "parse": {"has_use_ess_lr": hasattr(args, "use_ess_lr")},
+        "actor": _outcome(lambda: _advantages(fw, args)),
+    }
+
+
+def actors(fw: str, env: dict) -> dict:
+    """The driver / actor split (issue 35), through the real ``parse_args`` and the installed
+    advantage routine of the actor module (its checks run before upstream's code):
+
+    - ``unpatched_actors``: ``--use-ess-lr`` with nothing that patches the train actors;
+    - ``env_vars``: ``--train-env-vars`` with the auto-install, the ``.pth`` on disk or not;
+    - ``resolved``: the driver, with ``env`` (``ESS_LR_*``), writes every setting into args;
+      an actor without those variables reads the same config from args;
+    - ``disagree``: an actor whose own ``ESS_LR_FLOOR`` differs from the driver's.
+    """
+    import ess_patch
+    from ess_patch.integrations.flags import config_from_args
+
+    base = [a for a in MINIMAL_ARGV if a not in ACTORS_PATCHED]
+    out: dict = {}
+    ess_patch.uninstall()
+    os.environ.update(env)
+    ess_patch.install()
+    out["unpatched_actors"] = _outcome(
+        lambda: parse_upstream_args(fw, [*base, *BATCH, "--use-ess-lr"])
+    )
+    auto = '{"ESS_PATCH_AUTO_INSTALL": "1"}'
+    out["env_vars"] = _outcome(
+        lambda: parse_upstream_args(fw, [*base, *BATCH, "--use-ess-lr", "--train-env-vars", auto])
+    )
+    args = parse_upstream_args(fw, [*MINIMAL_ARGV, *BATCH, "--use-ess-lr"])
+    out["driver_env"] = args.ess_lr_driver_env
+    # an actor process: none of the driver's ESS_LR_* in its environment
+    ess_patch.uninstall()
+    for key in env:
+        del os.environ[key]
+    ess_patch.install()
+    out["resolved"] = dataclasses.asdict(config_from_args(args))
+    os.environ["ESS_LR_FLOOR"] = "0.2"
+    out["disagree"] = _outcome(lambda: _advantages(fw, args))
+    del os.environ["ESS_LR_FLOOR"]
+    return out
+
+
 def report(fw: str, folder: str, cases: dict) -> dict:
     """The cases (argv lists under "env", "plain" and "critic") on ``fw`` imported from
     ``folder``, as plain data. An unexpected error propagates: the fresh interpreter fails
@@ -166,4 +246,5 @@ def report(fw: str, folder: str, cases: dict) -> dict:
     out["plain"] = {name: parse(fw, argv) for name, argv in cases["plain"].items()}
     out["critic"] = critic(fw, cases["critic"])
     out["failed"] = failed_integrations()
+    out["actors"] = actors(fw, cases["actors_env"])
     return out

@@ -27,6 +27,8 @@ from unittest import mock
 
 import torch
 
+from ess_patch.integrations.actors import INIT_PATH
+
 VOCAB, HIDDEN = 11, 6
 
 
@@ -364,6 +366,7 @@ def use_cpu_accelerator() -> None:
 
 
 SLIME_ARGV = (
+    "--custom-megatron-init-path", INIT_PATH,  # the train actors patched (actors.py)
     "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-rollout", "3",
     "--micro-batch-size", "2", "--lr", "1e-1", "--min-lr", "1e-2", "--lr-decay-style", "cosine",
     "--advantage-estimator", "grpo", "--ess-lr-weight-mode", "product",
@@ -481,6 +484,7 @@ def slime_train(
 
 
 MILES_ARGV = (
+    "--custom-megatron-init-path", INIT_PATH,  # the train actors patched (actors.py)
     "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-rollout", "3",
     "--micro-batch-size", "2", "--lr", "1e-1", "--min-lr", "1e-2", "--lr-decay-style", "cosine",
     "--advantage-estimator", "grpo", "--ess-lr-weight-mode", "product", "--qkv-format", "thd",

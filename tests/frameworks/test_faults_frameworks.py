@@ -82,7 +82,7 @@ def rank_faults(fw: str) -> dict:
         loss.compute_advantages_and_returns(args, data)
         plain[fault] = data["advantages"]
 
-    ess_patch.install(fw)
+    ess_patch.install(["megatron", fw])
     out = {"coords": (dp_rank, cp_rank)}
     for fault in cases:
         args, data = _faulty_input(fw, fault, faulty, batch)

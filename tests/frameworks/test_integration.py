@@ -145,7 +145,7 @@ def test_parser_accepts_the_flags_and_changes_no_default(fw, clean_ess):
     args_module = importlib.import_module(f"{fw}.utils.arguments")
     with _upstream(args_module, "parse_args"):
         plain = parse_upstream_args(fw, MINIMAL_ARGV)
-    _install(fw)
+    _install(["megatron", fw])
     off = parse_upstream_args(fw, MINIMAL_ARGV)
     on = parse_upstream_args(fw, [*MINIMAL_ARGV, "--use-ess-lr", "--ess-lr-floor", "0.2"])
     assert on.use_ess_lr is True and on.ess_lr_floor == 0.2
@@ -174,7 +174,7 @@ def test_parser_accepts_the_flags_and_changes_no_default(fw, clean_ess):
 @pytest.mark.parametrize("fw", _framework_params(FULL))
 @pytest.mark.parametrize("floor", ["0", "1.5", "abc"])
 def test_parser_rejects_a_bad_floor(fw, floor, clean_ess):
-    _install(fw)
+    _install(["megatron", fw])
     stderr = io.StringIO()
     with pytest.raises(SystemExit) as info, contextlib.redirect_stderr(stderr):
         parse_upstream_args(fw, [*MINIMAL_ARGV, "--use-ess-lr", "--ess-lr-floor", floor])
@@ -185,7 +185,7 @@ def test_parser_rejects_a_bad_floor(fw, floor, clean_ess):
 
 @pytest.mark.parametrize("fw", _framework_params(FULL))
 def test_parser_rejects_settings_that_never_give_train_log_probs(fw, clean_ess):
-    _install(fw)
+    _install(["megatron", fw])
     # measured inside the loss, one ESS per optimizer step: refused with 2 steps per rollout
     argv = [*MINIMAL_ARGV, "--global-batch-size", "2", "--use-ess-lr", "--use-rollout-logprobs"]
     with pytest.raises(ValueError, match="--use-rollout-logprobs without --get-mismatch-metrics"):
@@ -196,7 +196,7 @@ def test_parser_rejects_settings_that_never_give_train_log_probs(fw, clean_ess):
 
 @pytest.mark.parametrize("fw", _framework_params(FULL))
 def test_parser_takes_shadow_mode_and_refuses_it_with_use_ess_lr(fw, clean_ess):
-    _install(fw)
+    _install(["megatron", fw])
     shadow = parse_upstream_args(fw, [*MINIMAL_ARGV, "--ess-lr-shadow"])
     assert (shadow.ess_lr_shadow, shadow.use_ess_lr) == (True, False)
     with pytest.raises(ValueError, match=r"--use-ess-lr and --ess-lr-shadow .* both on"):
@@ -205,7 +205,7 @@ def test_parser_takes_shadow_mode_and_refuses_it_with_use_ess_lr(fw, clean_ess):
 
 @pytest.mark.parametrize("fw", _framework_params(FULL))
 def test_user_custom_arguments_still_apply(fw, clean_ess):
-    _install(fw)
+    _install(["megatron", fw])
 
     def add(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         parser.add_argument("--my-flag", type=int, default=7)
@@ -219,7 +219,7 @@ def test_user_custom_arguments_still_apply(fw, clean_ess):
 
 
 def _advantages(compute, args, batch):
-    data = {k: list(v) for k, v in batch.items()}
+    data = {k: None if v is None else list(v) for k, v in batch.items()}
     with CollectiveCounter() as counter:
         compute(args, data)
     return data["advantages"], [name for name, _ in counter.calls]
@@ -235,7 +235,9 @@ def _bind_state(compute, state):
     return lambda args, data: compute(args, state, data)
 
 
-def rank_advantage_hook(fw: str, snapshot: str | None = None) -> dict:
+def rank_advantage_hook(fw: str, snapshot: str | None = None, rollout_log_probs=True) -> dict:
+    """The real routine before and after install(), off / shadow / on / critic; without
+    ``rollout_log_probs`` (a custom rollout function that fills none): what it raises."""
     import inspect
 
     from megatron.core import parallel_state as mpu
@@ -264,9 +266,17 @@ def rank_advantage_hook(fw: str, snapshot: str | None = None) -> dict:
     def compute():  # looked up at each call: install() replaces the module attribute
         return _bind_state(loss.compute_advantages_and_returns, state)
 
+    if not rollout_log_probs:
+        batch["rollout_log_probs"] = None
+        _install(["megatron", fw])
+        try:
+            _advantages(compute(), host_args(fw, True), batch)
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}", "armed": ess_patch.armed()}
+        return {"error": None, "armed": ess_patch.armed()}
     with _upstream(loss, "compute_advantages_and_returns"):
         plain, plain_calls = _advantages(compute(), host_args(fw, True), batch)
-    _install(fw)
+    _install(["megatron", fw])
     from ess_patch.install import installed_shapes
 
     shapes = installed_shapes().get(fw)
@@ -336,6 +346,22 @@ def test_advantage_hook_arms_the_reference_scale_on_every_rank(fw, snapshot, tmp
             assert r["shapes"].startswith(f"{fw}: groups from ") and "hook " in r["shapes"]
 
 
+@pytest.mark.dist
+@pytest.mark.parametrize("fw", _framework_params(LOSS))
+def test_a_rollout_without_rollout_log_probs_stops_the_run_on_every_rank(fw, tmp_path):
+    """A custom rollout function that fills no ``rollout_log_probs``: 0.3.0 warned per rank per
+    rollout and trained unscaled; now every rank of DP2 x CP2 raises the same clear error."""
+    results = run_ranks(
+        rank_advantage_hook, dp=DP, cp=CP, args=(fw, None, False), tmp_path=tmp_path, timeout=120
+    )
+    assert len(results) == DP * CP
+    for r in results:
+        assert r["armed"] is None
+        assert r["error"].startswith(f"EssLrNotAppliedError: ess-patch ({fw}): ESS-LR was req")
+        assert "the rollout engine returned no log-probs" in r["error"]
+        assert "Sample.rollout_log_probs" in r["error"]
+
+
 def rank_pipeline_hook(fw: str, snapshot: str) -> dict:
     """PP=2: only the last stage has train log-probs (miles returns early on the others);
     every stage must arm the last stage's result, whatever the version's PP source."""
@@ -348,7 +374,7 @@ def rank_pipeline_hook(fw: str, snapshot: str) -> dict:
     batch = _one_rollout_batch()
     if not mpu.is_pipeline_last_stage():
         batch.pop("log_probs")  # what a non-last stage's actor has
-    _install(fw)
+    _install(["megatron", fw])
     from ess_patch.install import installed_shapes
 
     compute = _bind_state(loss.compute_advantages_and_returns, state)
@@ -403,7 +429,7 @@ def rank_advantage_hook_steps(fw: str) -> dict:
         _, plain_calls = _advantages(
             loss.compute_advantages_and_returns, host_args(fw, True), batch
         )
-    _install(fw)
+    _install(["megatron", fw])
     args = host_args(fw, True)
     args.ess_lr_granularity = "step"
     _, calls = _advantages(loss.compute_advantages_and_returns, args, batch)
@@ -461,10 +487,12 @@ def _one_rollout_batch() -> dict:
     }
 
 
-def _miles_train_step(monkeypatch, flags):
+def _miles_train_step(monkeypatch, flags, integrations=("megatron", "miles"), between=None):
     """One rollout through miles' real advantage hook and ``train`` (two optimizer steps):
-    the armed result, the (lr, param, grad) each step started from, the optimizer, the logs."""
-    from megatron_cpu import batch, build_megatron_optimizer, param_triples
+    the armed result, the (lr, param, grad) each step started from, the optimizer, the logs.
+    ``between()`` runs after the rollout is armed, before ``train``. The LR each inner torch
+    optimizer saw inside its step is in ``seen["inside"]``."""
+    from megatron_cpu import batch, build_megatron_optimizer, inner_optimizers, param_triples
 
     if VENDORED:  # what install() would also hook once imported: import it to check it
         from ess_patch.install import INTEGRATIONS
@@ -476,7 +504,7 @@ def _miles_train_step(monkeypatch, flags):
                 except ModuleNotFoundError as exc:  # another version's location of a target
                     if not (name + ".").startswith(f"{exc.name}."):
                         raise
-    _install(["megatron", "miles"])
+    _install(list(integrations))
     argv = [*MINIMAL_ARGV, "--lr", "1e-2", *flags, "--ess-lr-weight-mode", "product"]
     args = parse_upstream_args("miles", argv)
     import miles.backends.megatron_utils.model as model_module
@@ -490,10 +518,15 @@ def _miles_train_step(monkeypatch, flags):
 
     # the actor's own reference to the advantage routine arms the rollout's result
     rollout = _one_rollout_batch()
+    seen: dict = {"inside": [], "scheduled": []}
     actor_module.compute_advantages_and_returns(args, rollout)
     result = ess_patch.armed()
-
-    seen = {}
+    if between is not None:
+        between(setup)
+    for inner in inner_optimizers(setup.optimizer):
+        inner.optimizer.register_step_pre_hook(
+            lambda o, a, k: seen["inside"].append(o.param_groups[0]["lr"])
+        )
 
     def fake_forward_backward(**kw):  # miles' GPT forward cannot run on CPU: one real backward
         model = kw["model"][0]
@@ -505,6 +538,7 @@ def _miles_train_step(monkeypatch, flags):
             (g["lr"], p.detach().clone(), m.main_grad.clone())  # fp32: the grad it will use
             for g, p, m in param_triples(setup.optimizer)
         ]
+        seen["scheduled"].append(setup.optimizer.param_groups[0]["lr"])
         return [{"keys": ["loss"], "values": torch.tensor([1.0, loss.item()])}]
 
     logged = []
@@ -526,14 +560,15 @@ def _miles_train_step(monkeypatch, flags):
         witness_info=None,
         attempt=0,
     )
-    return result, seen["before"], setup, logged
+    return result, seen, setup, logged
 
 
 @_needs(FULL, "miles")
 def test_miles_train_step_scales_once_restores_the_lr_and_logs(world, clean_ess, monkeypatch):
     from megatron_cpu import param_triples
 
-    result, before, setup, logged = _miles_train_step(monkeypatch, ["--use-ess-lr"])
+    result, seen, setup, logged = _miles_train_step(monkeypatch, ["--use-ess-lr"])
+    before = seen["before"]
     assert result is not None and result.status == "ok" and result.scale < 1.0
     # the update used lr * scale, exactly once, for every parameter
     for (lr, p0, grad), (_, p1, _) in zip(before, param_triples(setup.optimizer), strict=True):
@@ -544,8 +579,12 @@ def test_miles_train_step_scales_once_restores_the_lr_and_logs(world, clean_ess,
     for group in setup.optimizer.param_groups:
         assert group["lr"] == setup.scheduler.get_lr(group)
     assert [r["train/step"] for r in logged] == [0, 1]  # two optimizer steps in this rollout
-    for record in logged:  # every step of the rollout used, and logged, the same result
-        assert record["train/lr_scale"] == result.scale
+    # each step logs what it applied, read back from the step: the LR inside the inner torch
+    # optimizer's step over the scheduled LR (the same scale on both steps of the rollout)
+    assert len(seen["inside"]) == 2
+    for record, inside, scheduled in zip(logged, seen["inside"], seen["scheduled"], strict=True):
+        assert record["train/lr_scale"] == inside / scheduled
+        assert record["train/lr_scale"] == pytest.approx(result.scale, rel=1e-12)
         assert record["train/rho_ess"] == result.rho
         assert record["train/ess_num_trajectories"] == 8
         assert "train/loss" in record  # miles' own metrics are still there
@@ -559,7 +598,8 @@ def test_miles_shadow_mode_logs_the_would_be_scale_and_changes_no_parameter(
 
     from ess_patch.state import STATE
 
-    result, before, setup, logged = _miles_train_step(monkeypatch, ["--ess-lr-shadow"])
+    result, seen, setup, logged = _miles_train_step(monkeypatch, ["--ess-lr-shadow"])
+    before = seen["before"]
     assert result is None  # nothing the optimizer wrappers read is armed
     shadow = STATE.shadow
     assert shadow is not None and shadow.status == "ok" and shadow.scale < 1.0
@@ -630,19 +670,67 @@ def test_miles_shadow_mode_warns_once_when_rho_stays_below_the_threshold(
     assert message.startswith("ess-patch (miles): ESS early warning at rollout 1 ")
     assert f"rho {ref['rho']:.3g}, {ref['rho']:.3g} over rollouts 0-1" in message
     assert "shadow mode" in message and "--use-ess-lr" in message
+def _roll_back_megatron(_setup) -> None:
+    """What a late import lacking a megatron-core symbol does (install's post-import hook)."""
+    from ess_patch.install import _roll_back
+
+    _roll_back("megatron", ImportError("megatron.core.optimizer lacks a symbol (test)"))
+
+
+@_needs(FULL, "miles")
+@pytest.mark.skipif(VENDORED, reason="vendored trees decorate the optimizer step themselves")
+@pytest.mark.parametrize(
+    ("integrations", "between", "stops_at"),
+    [
+        (("miles",), None, "advantages"),  # install(["miles"]): no optimizer integration
+        (("megatron", "miles"), _roll_back_megatron, "step"),  # rolled back after the arm
+    ],
+    ids=["no-megatron-integration", "megatron-rolled-back"],
+)
+def test_miles_stops_before_a_step_that_would_not_apply_the_scale(
+    world, clean_ess, monkeypatch, integrations, between, stops_at
+):
+    """Issue 35: the hooks arm, the optimizer steps at the scheduled LR, and the metrics
+    said lr_scale 0.5. Now the run stops with one clear error, before any parameter moves."""
+    from megatron_cpu import param_triples
+
+    kept = {}
+
+    def keep_then(setup):  # after the arm: the parameters, then the test's own change
+        kept["setup"] = setup
+        kept["params"] = [p.detach().clone() for _, p, _ in param_triples(setup.optimizer)]
+        if between is not None:
+            between(setup)
+
+    with pytest.raises(ess_patch.EssLrNotAppliedError) as error:
+        _miles_train_step(monkeypatch, ["--use-ess-lr"], integrations, between=keep_then)
+    message = str(error.value)
+    if stops_at == "advantages":  # at arm(), before train() was reached
+        assert kept == {} and ess_patch.armed() is None
+        assert "nothing wraps the optimizer step" in message and "megatron" in message
+    else:  # at the first optimizer step, before its update: no parameter moved
+        after = [p.detach() for _, p, _ in param_triples(kept["setup"].optimizer)]
+        assert all(torch.equal(a, b) for a, b in zip(kept["params"], after, strict=True))
+        assert "runs outside every ess-patch step wrapper" in message
+    assert "ess_patch.attach(optimizer)" in message and "ESS_PATCH_ALLOW_UNSCALED=1" in message
 
 
 @_needs(FULL, "slime")
 def test_slime_train_log_gets_the_metrics(clean_ess, monkeypatch):
     import slime.observability.logging_utils as logging_utils
 
-    _install("slime")
+    _install(["megatron", "slime"])
     logged = []
     monkeypatch.setattr(logging_utils, "wandb", Namespace(log=logged.append))
     args = Namespace(use_wandb=True, use_tensorboard=False)
     logging_utils.log(args, {"train/loss": 1.0, "train/step": 3}, step_key="train/step")
     assert logged == [{"train/loss": 1.0, "train/step": 3}]  # nothing armed: unchanged
     ess_patch.arm(ess_patch.EssLrResult(scale=0.5, rho=0.25, ess=2.0, num_trajectories=8))
+    param = torch.nn.Parameter(torch.ones(1))
+    optimizer = ess_patch.attach(torch.optim.SGD([param], lr=0.5))
+    param.grad = torch.ones(1)
+    optimizer.step()  # the step the record reports: lr 0.25 inside, 0.5 scheduled
+    ess_patch.detach(optimizer)
     logging_utils.log(args, {"train/loss": 1.0, "train/step": 3}, step_key="train/step")
     logging_utils.log(args, {"rollout/x": 1.0, "rollout/step": 3}, step_key="rollout/step")
     assert logged[1]["train/lr_scale"] == 0.5 and logged[1]["train/rho_ess"] == 0.25
@@ -714,7 +802,7 @@ def test_fsdp_actor_attaches_its_optimizer_when_enabled(clean_ess):
 
     from ess_patch.integrations.miles import fsdp_train_core_wrapper
 
-    _install("miles")
+    _install(["megatron", "miles"])
     assert _hooked(vars(FSDPTrainRayActor)["_train_core"])
     for enabled in (False, True):
         actor = FSDPTrainRayActor.__new__(FSDPTrainRayActor)
@@ -725,9 +813,13 @@ def test_fsdp_actor_attaches_its_optimizer_when_enabled(clean_ess):
         assert ran == "trained"
         ess_patch.arm(0.5)
         param.grad = torch.ones(1)
-        actor.optimizer.step()  # attached: the armed scale applies; not attached: plain SGD
+        if enabled:  # attached: the armed scale applies
+            actor.optimizer.step()
+        else:  # a plain torch optimizer under install(), not attached: it never steps unscaled
+            with pytest.raises(ess_patch.EssLrNotAppliedError, match=r"SGD\.step"):
+                actor.optimizer.step()
         ess_patch.disarm()
-        lr = 0.1 * 0.5 if enabled else 0.1
+        lr = 0.1 * 0.5 if enabled else 0.0
         assert torch.equal(param.detach(), torch.ones(1).add(torch.ones(1), alpha=-lr))
         assert actor.optimizer.param_groups[0]["lr"] == 0.1
 

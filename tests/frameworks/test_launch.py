@@ -7,6 +7,11 @@ then the framework's real ``parse_args`` (``launch_probe.report`` through ``fres
   (b) ``ESS_LR_*`` only, (c) both (the flags win), and neither (the defaults);
 - ``--disable-compute-advantages-and-returns`` with ``--use-ess-lr`` or ``--ess-lr-shadow`` is
   refused when the arguments are parsed, naming the flag; alone it parses;
+- the driver / actor split (issue 35): a driver that parsed ``--use-ess-lr`` with nothing to
+  patch its train actors stops; ``ESS_LR_*`` set only in the driver reach an actor through
+  args, and an actor whose own ``ESS_LR_*`` disagree stops; an actor started with the
+  auto-install whose args came from an unpatched driver (slime >= v0.3.0 dropped the flags)
+  stops before its first rollout is trained;
 - the critic: the real ``train_critic`` (its model calls replaced) runs the advantage hook
   with the process already the critic (at rollout 0 ``loss_type`` is still the policy's), no
   warning, and its train-step record through the real log function has no ESS metrics.
@@ -106,6 +111,7 @@ CASES = {
         "sft": [DISABLE],
     },
     "critic": ["--use-ess-lr"],
+    "actors_env": {"ESS_LR_FLOOR": "0.3", "ESS_LR_RULE": "linear"},
 }
 
 
@@ -188,3 +194,55 @@ def test_the_critic_is_the_critic_from_rollout_zero(fw, folder, reports):
     assert logged and not any(
         key.endswith(("lr_scale", "rho_ess", "ess", "ess_lr_measured")) for key in logged
     ), logged
+
+
+@pytest.mark.parametrize(("fw", "folder"), _params())
+def test_the_driver_and_its_actors_agree_or_the_run_stops(fw, folder, reports):
+    import site
+
+    out = reports(fw, folder)["actors"]
+    error = out["unpatched_actors"].get("error", "")
+    assert error.startswith(f"EssLrNotAppliedError: ess-patch ({fw}): ESS-LR was requested"), out
+    assert "nothing patches the Ray train actors" in error
+    assert "--train-env-vars" in error and "ess_patch.autoinstall.megatron_init" in error
+    pth = any(
+        (Path(d) / "ess_patch-autoinstall.pth").exists()
+        for d in [*site.getsitepackages(), site.getusersitepackages()]
+    )
+    if pth:  # the wheel: the variable in --train-env-vars is enough
+        assert "value" in out["env_vars"], out["env_vars"]
+    else:  # an editable install: the variable alone patches nothing
+        assert "is not in site-packages (an editable install" in out["env_vars"]["error"]
+    # settings given to the driver only reach the actor through args
+    assert out["driver_env"] == CASES["actors_env"]
+    assert out["resolved"] == asdict(EssLrConfig(floor=0.3, rule="linear"))
+    disagree = out["disagree"]["error"]
+    assert disagree.startswith(f"ValueError: ess-patch ({fw}): this train actor's ESS_LR_*")
+    assert "ESS_LR_FLOOR='0.2' here, '0.3' in the driver" in disagree
+
+
+UNPATCHED = """
+import sys
+sys.path.insert(0, {here!r})
+from launch_probe import unpatched_driver
+emit(unpatched_driver({fw!r}, {folder!r}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("fw", "folder"), _params())
+def test_an_unpatched_driver_is_caught_in_the_actor(fw, folder, fresh_python):
+    """slime >= v0.3.0 parses with ignore_unknown_args: without ess-patch in the driver,
+    --use-ess-lr is dropped without a word. An actor started with the auto-install stops at
+    its first advantage hook; a parser that refuses the flag fails loudly by itself."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ESS_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    code = UNPATCHED.format(here=str(HERE), fw=fw, folder=str(folder))
+    out = fresh_python(code, env, timeout=300).result
+    if out["parse"] == {"has_use_ess_lr": False}:  # dropped without a word
+        stopped = out["actor"].get("error", "")
+        assert stopped.startswith(f"EssLrNotAppliedError: ess-patch ({fw})"), out
+        assert "the driver's parse_args was not patched" in stopped
+        assert "--use-ess-lr and every --ess-lr-* were dropped" in stopped
+    else:
+        assert out["parse"].startswith("SystemExit"), out  # argparse's own "unrecognized"

@@ -75,14 +75,15 @@ VENDORED = os.environ.get("ESS_PATCH_TEST_MODE") == "vendored"
 
 
 def _install() -> None:
-    """``install("megatron_rl")``; in vendored mode, a check instead that every target whose
-    module is imported already calls ess-patch through the diff (and nothing is installed)."""
+    """``install(["megatron", "megatron_rl"])``; in vendored mode, a check instead that every
+    target whose module is imported already calls ess-patch through the diff (and nothing is
+    installed)."""
     import importlib
 
     import ess_patch
 
     if not VENDORED:
-        ess_patch.install("megatron_rl")
+        ess_patch.install(["megatron", "megatron_rl"])
         return
     from ess_patch.install import INTEGRATIONS
     from ess_patch.vendored import is_vendored
@@ -296,9 +297,15 @@ def rank_steps() -> dict:
             after_step = [g["lr"] for g in setup.optimizer.param_groups]
             setup.scheduler.step(increment=1)
             steps.append((scheduled, seen[-1], after_step))
-    # the next collection: nothing carried over, even before it arms its own
-    megatron_rl.prepare_wrapper(lambda: None, None, (), {})
-    return {"scale": scale, "steps": steps, "armed_after": ess_patch.armed()}
+    # the next collection: nothing carried over, even before it arms its own (this one arms
+    # none, which stops the run)
+    seen_next: list = []
+    stopped = None
+    try:
+        megatron_rl.prepare_wrapper(lambda: seen_next.append(ess_patch.armed()), None, (), {})
+    except ess_patch.EssLrNotAppliedError as exc:
+        stopped = str(exc)
+    return {"scale": scale, "steps": steps, "armed_after": seen_next, "stopped": stopped}
 
 
 @pytest.mark.dist
@@ -311,7 +318,7 @@ def test_every_optimizer_step_of_the_collection_is_scaled_and_restored(tmp_path)
             assert inside == pytest.approx([lr * r["scale"] for lr in scheduled], rel=1e-12)
             assert after == scheduled  # restored before the scheduler runs
         assert r["steps"][0][0] != r["steps"][1][0]  # the scheduler moved the LR in between
-        assert r["armed_after"] is None
+        assert r["armed_after"] == [None] and "had no inference log-probs" in r["stopped"]
 
 
 @pytest.mark.dist
@@ -732,25 +739,30 @@ def rank_writers() -> dict:
 def test_metrics_reach_megatron_rls_writers(tmp_path):
     """The real ``maybe_log_training_metrics`` with a real tensorboard ``SummaryWriter`` and
     wandb's own tables: the ESS metrics land beside Megatron-RL's, at the same step, under
-    its flat naming (``mean_reward``, ``lr_scale``...)."""
+    its flat naming (``mean_reward``, ``rho_ess``...). Megatron-RL logs a collection before
+    training on it: no step has applied its scale yet, so it is ``ess_lr_armed_scale`` and
+    there is no ``lr_scale`` (which only a step's read-back gives)."""
     (r,) = run_ranks(rank_writers, dp=1, tmp_path=tmp_path, timeout=120)
     assert r["rl_utils"].startswith(str(Path(SRC).resolve())) or r["rl_utils"].startswith(SRC)
     scalars = r["scalars"]
     assert scalars["mean_reward"] == [(3, 0.5), (4, 0.5)]  # upstream's own, untouched
-    assert scalars["lr_scale"] == [(4, 0.5)]  # nothing armed at step 3: nothing of ours
+    assert scalars["ess_lr_armed_scale"] == [(4, 0.5)]  # nothing armed at step 3
+    assert "lr_scale" not in scalars
     assert scalars["rho_ess"] == [(4, 0.25)] and scalars["ess"] == [(4, 2.0)]
     assert scalars["ess_num_trajectories"] == [(4, 8.0)]
     logged = r["logged"]
     steps = [step for _, step in logged]
     assert steps == [3, 4, 4]  # upstream's record, then upstream's and ours at step 4
     ours = logged[2][0]
-    assert ours == r["metrics"] and ours["lr_scale"] == 0.5 and ours["rho_ess"] == 0.25
-    assert "mean_reward" in logged[1][0] and "lr_scale" not in logged[0][0]
+    expected = {k: v for k, v in r["metrics"].items() if k != "lr_scale"}
+    assert ours == {**expected, "ess_lr_armed_scale": 0.5} and ours["rho_ess"] == 0.25
+    assert "mean_reward" in logged[1][0] and "ess_lr_armed_scale" not in logged[0][0]
 
 
-def test_a_new_collection_drops_the_last_ones_scale(installed, caplog):
+def test_a_new_collection_drops_the_last_ones_scale(installed, caplog, monkeypatch):
     """``prepare_data_for_update`` starts a collection: the previous one's scale is never
-    carried over, and a collection that arms none is said to be a no-op."""
+    carried over, and a collection that arms none (an inference backend that returns no
+    log-probs) stops the run before its first step, unless opted out (then said once)."""
     from ess_patch.integrations import megatron_rl
     from ess_patch.result import EssLrResult
 
@@ -759,10 +771,14 @@ def test_a_new_collection_drops_the_last_ones_scale(installed, caplog):
     # the real prepare_data_for_update needs a model and rollouts: the hook's own wrapper
     # around a collection that arms nothing (no inference log-probs)
     seen = []
-    with caplog.at_level("WARNING", logger=megatron_rl.__name__):
+    with pytest.raises(installed.EssLrNotAppliedError, match="had no inference log-probs"):
         megatron_rl.prepare_wrapper(lambda: seen.append(installed.armed()), None, (), {})
     assert seen == [None]  # the old scale was dropped before the collection ran
     assert installed.armed() is None
+    monkeypatch.setenv("ESS_PATCH_ALLOW_UNSCALED", "1")
+    with caplog.at_level("WARNING", logger="ess_patch"):
+        megatron_rl.prepare_wrapper(lambda: None, None, (), {})
+    assert "(opt-out): going on unscaled" in caplog.text
     assert "had no inference log-probs" in caplog.text
 
 

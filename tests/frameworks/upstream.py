@@ -53,6 +53,8 @@ if _TESTS_DIR not in sys.path:  # tests/, for the shared skip wording (also in s
 
 from skips import missing_packages, missing_snapshot  # noqa: E402
 
+from ess_patch.integrations.actors import INIT_PATH  # noqa: E402
+
 __all__ = [
     "ENV_UPSTREAM",
     "ENV_VARS",
@@ -297,9 +299,12 @@ def _argv(argv: Sequence[str]) -> Iterator[None]:
         sys.argv = old
 
 
+# What a driver's command line needs for ESS-LR's train actors to be patched, else the driver
+# stops at parse time (ess_patch.integrations.actors; the editable install has no .pth).
+ACTORS_PATCHED = ("--custom-megatron-init-path", INIT_PATH)
 # The least a parse needs: both frameworks require --rollout-batch-size and one of
-# --num-rollout / --num-epoch.
-MINIMAL_ARGV = ("--rollout-batch-size", "4", "--num-rollout", "1")
+# --num-rollout / --num-epoch; and the train actors patched.
+MINIMAL_ARGV = ("--rollout-batch-size", "4", "--num-rollout", "1", *ACTORS_PATCHED)
 
 
 def parse_upstream_args(
