@@ -67,6 +67,8 @@ class _EssState:
     # (another config starts a new calibration); reset() starts a new calibration
     calibration: tuple[float, float] = (0.0, 0.0)
     calibration_key: tuple[float, ...] | None = None
+    # a stale rollout met while calibrating: warned once per calibration
+    calibration_warned: bool = False
 
 
 STATE = _EssState()
@@ -105,6 +107,7 @@ def reset() -> None:
     STATE.ledger_error = None
     STATE.calibration = (0.0, 0.0)
     STATE.calibration_key = None
+    STATE.calibration_warned = False
 
 
 def arm(result_or_scale: EssLrResult | float) -> EssLrResult:
