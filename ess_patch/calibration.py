@@ -58,7 +58,9 @@ __all__ = [
     "hold",
     "load",
     "restart",
+    "restore",
     "saved",
+    "snapshot",
 ]
 
 logger = logging.getLogger(__name__)
@@ -101,6 +103,17 @@ def hold(config: EssLrConfig, pair: tuple[float, float]) -> None:
     receives the last stage's)."""
     STATE.calibration = (float(pair[0]), float(pair[1]))
     STATE.calibration_key = _key(config)
+
+
+def snapshot() -> tuple:
+    """What this rank holds now, for :func:`restore` (a caller that must undo a count when
+    its peers then disagree)."""
+    return (STATE.calibration, STATE.calibration_key, STATE.calibration_warned)
+
+
+def restore(held_before: tuple) -> None:
+    """Hold again what :func:`snapshot` returned."""
+    STATE.calibration, STATE.calibration_key, STATE.calibration_warned = held_before
 
 
 def saved() -> dict | None:

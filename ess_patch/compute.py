@@ -475,11 +475,11 @@ def _reduce_table(
     )
     if error is not None:
         raise error
+    width = summary.shape[0]
     if fault is None:
-        fault = check_envelopes(rows[:, estimator.SUMMARY_SIZE :], "DP")
+        fault = check_envelopes(rows[:, width:], "DP")
     if fault is not None:
         raise fault
-    width = summary.shape[0]
     if calibrating:
         agreed = agreed_calibration(rows[:, width:])
     return rows[:, :width], agreed
