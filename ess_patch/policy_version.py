@@ -65,6 +65,8 @@ def on_policy(
         if entry is None:
             out.append(False)
             continue
-        calls = [entry] if isinstance(entry, int | str) else list(entry)
+        calls = (
+            list(entry) if isinstance(entry, Sequence) and not isinstance(entry, str) else [entry]
+        )
         out.append(bool(calls) and all(_norm(v) == now for v in calls))
     return out
