@@ -42,7 +42,9 @@ def _checkpoint_targets() -> tuple[Target, ...]:
         "load_state_dict": load_state_dict_wrapper,
     }
     return tuple(
-        Target(module, owner, method, wrapper, required=False)
+        # install() only: the patches/ series decorate the optimizer steps, not these (a
+        # vendored tree keeps its calibration across a resume when install() runs too)
+        Target(module, owner, method, wrapper, required=False, vendored=False)
         for module, owner in classes
         for method, wrapper in methods.items()
     )
