@@ -276,7 +276,7 @@ def test_on_policy_by_version_int_str_multi_turn_and_unknown():
     assert on_policy(versions, "3") == [True, True, True, False, False, False, False, True]
     assert on_policy(versions, 2) == [False, False, False, False, True, False, False, False]
     for bad in ([3.0], [True], "33"):
-        with pytest.raises(TypeError, match="policy version|sequence"):
+        with pytest.raises(TypeError, match=r"policy version|sequence"):
             on_policy(bad, 3)
 
 
