@@ -314,10 +314,10 @@ def test_only_the_on_policy_trajectories_of_a_rollout_are_counted():
 
 
 def test_a_stale_rollout_while_calibrating_is_not_counted_and_is_braked_with_a_warning(caplog):
-    """Too few on-policy trajectories (under half, or under 2): not counted, never trained
+    """Too few on-policy trajectories (under a quarter, or under 2): not counted, never trained
     unbraked: scaled by the ratio counted so far (base_ratio before any), warned once."""
     config = EssLrConfig(weight_mode="product", calibrate_rollouts=3)
-    stale = {"policy_versions": [0, 0, 1, 0], "current_version": 1}  # one on-policy of four
+    stale = {"policy_versions": [0, 0, 1, 0], "current_version": 1}  # 1 of 4: under 2
     with caplog.at_level("WARNING", logger="ess_patch.calibration"):
         first = compute_ess_lr(*_weights(1, 3, 1, 3), config=config, **stale)
         assert (first.status, first.calibrated_ratio) == ("ok", 0.0)
