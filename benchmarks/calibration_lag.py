@@ -111,7 +111,9 @@ def run(args: argparse.Namespace) -> dict:
             fresh_tokens, fresh_logp = _rollout(
                 engine, versions, prompts, [0] * len(lags), args.length, gen, noise_gen, sigma
             )
-            truth = compute_ess_lr(*_inputs(model, prompts, fresh_tokens, fresh_logp), config=product)
+            truth = compute_ess_lr(
+                *_inputs(model, prompts, fresh_tokens, fresh_logp), config=product
+            )
             truth_rhos.append(truth.rho)
             row["truth_rho"] = truth.rho
         rows.append(row)

@@ -245,9 +245,9 @@ def _stale_while_calibrating(
         STATE.calibration_warned = True
         _log(
             logging.WARNING,
-            "ESS-LR calibration: a rollout with %d on-policy trajectories of %d (fewer than "
-            "a quarter, or than %d) is not counted (%d of %d on-policy rollouts counted so far): its "
-            "samples come from older weights, and their lag would weaken the brake. It is "
+            "ESS-LR calibration: a rollout with %d on-policy trajectories of %d (fewer than a "
+            "quarter, or than %d) is not counted (%d of %d on-policy rollouts counted so far): "
+            "its samples come from older weights, and their lag would weaken the brake. It is "
             "scaled by %s meanwhile. In a fully asynchronous run only the first rollouts may "
             "be on-policy; a smaller --ess-lr-calibrate-rollouts finishes sooner. (Said once)",
             0 if on_policy is None else on_policy.num_trajectories,

@@ -69,6 +69,11 @@ class _EssState:
     calibration_key: tuple[float, ...] | None = None
     # a stale rollout met while calibrating: warned once per calibration
     calibration_warned: bool = False
+    # the policy version the trainer's weights were last published to the rollout engines as
+    # (miles' weight_updater.weight_version; None: no publish seen in this process), and
+    # whether it trained since (then no sample is on-policy): policy_version.py's "current"
+    trainer_version: str | None = None
+    trained_since_publish: bool = False
 
 
 STATE = _EssState()
@@ -108,6 +113,8 @@ def reset() -> None:
     STATE.calibration = (0.0, 0.0)
     STATE.calibration_key = None
     STATE.calibration_warned = False
+    STATE.trainer_version = None
+    STATE.trained_since_publish = False
 
 
 def arm(result_or_scale: EssLrResult | float) -> EssLrResult:
