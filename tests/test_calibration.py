@@ -371,3 +371,16 @@ def test_shadow_mode_counts_a_rollout_once_whatever_its_steps():
     add(trajectory_stats(*_two(1.0)))
     begin_step(optimizer)
     assert STATE.calibration == (2.0, pytest.approx(1.8))
+
+
+@pytest.mark.parametrize(("total", "on", "counted"), [(8, 2, True), (12, 2, False), (12, 3, True)])
+def test_a_rollout_counts_from_a_quarter_of_its_trajectories_on_policy(total, on, counted):
+    config = EssLrConfig(weight_mode="product", calibrate_rollouts=2)
+    weights = [1.0, 3.0, 7.0] * (total // 3) + [1.0] * (total % 3)
+    versions = [1] * on + [0] * (total - on)
+    r = compute_ess_lr(
+        *_weights(*weights), config=config, policy_versions=versions, current_version=1
+    )
+    assert r.status == ("calibrating" if counted else "ok")
+    expected = (1.0, pytest.approx(_rho(*weights[:on]), rel=1e-12)) if counted else (0.0, 0.0)
+    assert STATE.calibration == expected
