@@ -39,7 +39,7 @@ def compute_ess_lr(
     dp_group: object | None = None,
     pp_group: object | None = None,
     error: BaseException | None = None,
-    policy_versions: Sequence[object] | None = None,
+    policy_versions: Sequence[int | str | Sequence[int | str] | None] | None = None,
     current_version: int | str | None = None,
     **removed: object,
 ) -> EssLrResult:
@@ -139,7 +139,7 @@ def compute_ess_lr(
 
 
 def _on_policy(
-    versions: Sequence[object] | None, current: int | str | None
+    versions: Sequence[int | str | Sequence[int | str] | None] | None, current: int | str | None
 ) -> tuple[list[bool] | None, BaseException | None]:
     """Per trajectory, whether it is on-policy (None: no versions given), or the error to
     raise once this rank has joined its peers."""
@@ -157,7 +157,7 @@ def _on_policy(
             "neither"
         )
     try:
-        return policy_version.on_policy(versions, current), None  # type: ignore[arg-type]
+        return policy_version.on_policy(versions, current), None
     except TypeError as exc:
         return None, exc
 
