@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from . import calibration, estimator
+from . import calibration, estimator, policy_version
 from .config import EssLrConfig
 from .reduction import (
     ENVELOPE_SIZE,
@@ -39,6 +39,8 @@ def compute_ess_lr(
     dp_group: object | None = None,
     pp_group: object | None = None,
     error: BaseException | None = None,
+    policy_versions: Sequence[int | str | Sequence[int | str] | None] | None = None,
+    current_version: int | str | None = None,
     **removed: object,
 ) -> EssLrResult:
     """ESS, rho and LR scale of one rollout, identical on every rank.
@@ -76,6 +78,13 @@ def compute_ess_lr(
             ``error``, and every peer raises
             :class:`~ess_patch.estimator.InvalidInputsElsewhereError` (in a single process it
             is raised at once).
+        policy_versions: per trajectory (aligned with the inputs), the policy version that
+            generated it, or one per generation call (miles' ``weight_versions``); with
+            ``current_version``, the version of the weights being trained now. Only for
+            ``calibrate_rollouts``: it then counts only the on-policy trajectories
+            (:mod:`ess_patch.policy_version`, :mod:`ess_patch.calibration`). The scale itself
+            is over every trajectory, as without them. Give both or neither.
+        current_version: see ``policy_versions``.
         **removed: nothing is accepted here; a keyword removed since 0.1.0
             (``prepare_masks=``) raises :class:`~ess_patch.removed.RemovedKeywordError` (a
             ``TypeError``) saying what to do instead, any other the usual ``TypeError``.
@@ -116,22 +125,41 @@ def compute_ess_lr(
         raise removed_keyword("compute_ess_lr", removed)
     config, config_error = _checked_config(config)
     error = error if error is not None else config_error
+    on_policy, versions_error = _on_policy(policy_versions, current_version)
+    error = error if error is not None else versions_error
+    options = {"config": config, "error": error, "cp_group": cp_group, "dp_group": dp_group}
     if pp_group is not None:
         return _across_stages(
             (log_probs, rollout_log_probs, loss_masks),
-            config=config,
-            error=error,
-            cp_group=cp_group,
-            dp_group=dp_group,
+            on_policy=on_policy,
             pp_group=pp_group,
+            **options,
         )
-    return _rollout_result(
-        (log_probs, rollout_log_probs, loss_masks),
-        config=config,
-        error=error,
-        cp_group=cp_group,
-        dp_group=dp_group,
-    )
+    return _rollout_result((log_probs, rollout_log_probs, loss_masks), on_policy, **options)
+
+
+def _on_policy(
+    versions: Sequence[int | str | Sequence[int | str] | None] | None, current: int | str | None
+) -> tuple[list[bool] | None, BaseException | None]:
+    """Per trajectory, whether it is on-policy (None: no versions given), or the error to
+    raise once this rank has joined its peers."""
+    if versions is None and current is None:
+        return None, None
+    if versions is None or current is None:
+        given, missing = (
+            ("policy_versions", "current_version")
+            if current is None
+            else ("current_version", "policy_versions")
+        )
+        return None, TypeError(
+            f"compute_ess_lr: {given} was given without {missing}; pass both (each "
+            "trajectory's policy version and the version of the weights being trained) or "
+            "neither"
+        )
+    try:
+        return policy_version.on_policy(versions, current), None
+    except TypeError as exc:
+        return None, exc
 
 
 _Inputs = tuple[
@@ -141,6 +169,7 @@ _Inputs = tuple[
 
 def _rollout_result(
     inputs: _Inputs,
+    on_policy: list[bool] | None = None,
     *,
     config: EssLrConfig | None,
     error: BaseException | None,
@@ -148,31 +177,40 @@ def _rollout_result(
     dp_group: object | None,
 ) -> EssLrResult:
     """One stage's rollout result over its CP and DP groups (``error``: a fault this rank
-    already has; it still joins every collective, flagged)."""
+    already has; it still joins every collective, flagged; ``on_policy``: per trajectory,
+    whether calibration may count it)."""
     summaries, agreed = _reduce(
         *inputs,
         config=config,  # type: ignore[arg-type]  # None only with an error: never read
         cp_group=cp_group,
         dp_group=dp_group,
         error=error,
+        on_policy=on_policy,
     )
     assert config is not None
     return _decide(summaries, config, agreed)
 
 
 def _decide(
-    summaries: torch.Tensor, config: EssLrConfig, agreed: tuple[float, float]
+    summaries: torch.Tensor, config: EssLrConfig, agreed: tuple[float, float], count: bool = True
 ) -> EssLrResult:
-    """The result of every rank's summaries, calibrated when the config asks for it."""
-    result = estimator.result(summaries, config)
+    """The result of every rank's summaries, calibrated when the config asks for it (then
+    each row also holds the summary of the rank's on-policy trajectories, after the first
+    ``SUMMARY_SIZE`` columns)."""
+    size = estimator.SUMMARY_SIZE
+    result = estimator.result(summaries[:, :size], config)
     if config.calibrate_rollouts:
-        result = calibration.apply(result, config, agreed)
+        on_policy = None
+        if result.status == "ok" and summaries.shape[1] > size:
+            on_policy = estimator.result(summaries[:, size : 2 * size], config)
+        result = calibration.apply(result, config, agreed, on_policy, count=count)
     return result
 
 
 def _across_stages(
     inputs: _Inputs,
     *,
+    on_policy: list[bool] | None,
     config: EssLrConfig | None,
     error: BaseException | None,
     cp_group: object | None,
@@ -200,13 +238,17 @@ def _across_stages(
     result: EssLrResult | None = None
     if is_last:
         try:
-            result = _rollout_result(inputs, config=config, error=error or stage_fault, **options)
+            result = _rollout_result(
+                inputs, on_policy, config=config, error=error or stage_fault, **options
+            )
         except Exception as exc:
             error = exc
     failed = error is not None or stage_fault is not None
-    payload = torch.zeros(ENCODED_SIZE, dtype=torch.float64)
+    # the result, then the calibration the last stage now holds: every stage holds it too
+    # (a checkpoint of any stage keeps it)
+    payload = torch.zeros(ENCODED_SIZE + 2, dtype=torch.float64)
     if result is not None:
-        payload = torch.tensor(result.encode(), dtype=torch.float64)
+        payload = torch.tensor([*result.encode(), *calibration.held_any()], dtype=torch.float64)
     own = error if error is not None else stage_fault
     row = envelope(failed=failed, config=config, origin=None if own is None else origin_rank(own))
     rows = all_gather_rows(torch.cat([row, payload]), pp_group, "PP")
@@ -219,7 +261,10 @@ def _across_stages(
         raise fault
     if result is not None:
         return result
-    return EssLrResult.decode(rows[-1, ENVELOPE_SIZE:].tolist())
+    last = rows[-1, ENVELOPE_SIZE:].tolist()
+    if config is not None and config.calibrate_rollouts:
+        calibration.hold(config, (last[ENCODED_SIZE], last[ENCODED_SIZE + 1]))
+    return EssLrResult.decode(last[:ENCODED_SIZE])
 
 
 def _check_unused_inputs(
@@ -247,6 +292,7 @@ def compute_ess_lr_from_stats(
     cp_group: object | None = None,
     dp_group: object | None = None,
     error: BaseException | None = None,
+    count: bool = True,
 ) -> EssLrResult:
     """:func:`compute_ess_lr` from a precomputed per-trajectory table, identical on every rank.
 
@@ -261,6 +307,10 @@ def compute_ess_lr_from_stats(
     ``error``: this rank failed to build its table (``trajectory_stats`` may then be None);
     it still enters every collective, then raises ``error``, and every peer raises
     :class:`~ess_patch.estimator.InvalidInputsElsewhereError`.
+
+    ``count``: whether this result may count towards ``calibrate_rollouts`` (False: a later
+    optimizer step of a rollout already counted, e.g. shadow mode's steps of one rollout:
+    calibration counts rollouts, not steps).
 
     Raises:
         ValueError: a table that is not ``[B, 3]`` (on that rank; every peer fails with it).
@@ -294,7 +344,7 @@ def compute_ess_lr_from_stats(
         dp_group=dp_group,
         sizes=sizes,
     )
-    return _decide(summaries, config, agreed)
+    return _decide(summaries, config, agreed, count=count)
 
 
 def _reduce(
@@ -306,6 +356,7 @@ def _reduce(
     cp_group: object | None,
     dp_group: object | None,
     error: BaseException | None = None,
+    on_policy: list[bool] | None = None,
 ) -> tuple[torch.Tensor, tuple[float, float]]:
     """Every DP rank's summary row, ``[DP, SUMMARY_SIZE]``, and the calibration the ranks
     agreed on, or the error every rank must raise. ``error``: a fault this rank already has
@@ -326,6 +377,11 @@ def _reduce(
             if loss_masks is None:
                 raise ValueError("loss_masks is None but log-probs were given; pass the masks too")
             stats = estimator.trajectory_stats(log_probs, rollout_log_probs, loss_masks)
+        if on_policy is not None and len(on_policy) != stats.shape[0]:
+            raise ValueError(
+                f"policy_versions has {len(on_policy)} entries for {stats.shape[0]} "
+                "trajectories; pass one per trajectory, aligned with the log-probs"
+            )
     except Exception as exc:
         if not distributed:
             raise
@@ -338,6 +394,7 @@ def _reduce(
         cp_group=cp_group,
         dp_group=dp_group,
         sizes=sizes,
+        on_policy=on_policy,
     )
 
 
@@ -350,12 +407,15 @@ def _reduce_table(
     cp_group: object | None,
     dp_group: object | None,
     sizes: tuple[int, int],
+    on_policy: list[bool] | None = None,
 ) -> tuple[torch.Tensor, tuple[float, float]]:
     """The collectives of :func:`_reduce` on a prepared ``[B, 3]`` trajectory table (None
     with ``error`` set: this rank failed to prepare it, and still enters every collective;
     ``config`` None: this rank's config was not an EssLrConfig, it fails in the envelope;
     ``sizes``: the CP and DP group sizes). Also returns the calibration every rank continues
-    from (calibration.py: it travels in the envelopes; this rank's own with no peers)."""
+    from (calibration.py: it travels in the envelopes; this rank's own with no peers). While
+    calibrating, each row also holds the summary of the rank's on-policy trajectories
+    (``on_policy``; None: all of them)."""
     cp_size, dp_size = sizes
     calibrating = config is not None and config.calibrate_rollouts > 0
     agreed = calibration.held(config) if calibrating else NO_CALIBRATION
@@ -391,6 +451,9 @@ def _reduce_table(
         assert config is not None
         flags = estimator.Flags(missing=missing)
         summary = estimator.summarize(stats, config, rank=dp_rank, flags=flags)
+    if calibrating:
+        own = None if failed else stats
+        summary = torch.cat([summary, _on_policy_summary(summary, own, on_policy, config, dp_rank)])
     if dp_size <= 1:
         if error is not None:
             raise error
@@ -412,13 +475,29 @@ def _reduce_table(
     )
     if error is not None:
         raise error
+    width = summary.shape[0]
     if fault is None:
-        fault = check_envelopes(rows[:, estimator.SUMMARY_SIZE :], "DP")
+        fault = check_envelopes(rows[:, width:], "DP")
     if fault is not None:
         raise fault
     if calibrating:
-        agreed = agreed_calibration(rows[:, estimator.SUMMARY_SIZE :])
-    return rows[:, : estimator.SUMMARY_SIZE], agreed
+        agreed = agreed_calibration(rows[:, width:])
+    return rows[:, :width], agreed
+
+
+def _on_policy_summary(
+    summary: torch.Tensor,
+    stats: torch.Tensor | None,
+    on_policy: list[bool] | None,
+    config: EssLrConfig,
+    dp_rank: int,
+) -> torch.Tensor:
+    """The summary of this rank's on-policy trajectories (the whole summary when every one
+    is; zeros on a rank that failed, as its summary)."""
+    if on_policy is None or stats is None or all(on_policy):
+        return summary
+    keep = torch.tensor(on_policy, dtype=torch.bool, device=stats.device)
+    return estimator.summarize(stats[keep], config, rank=dp_rank)
 
 
 _DEFAULT_CONFIG = EssLrConfig()  # frozen: built once, not at every call (~10 us of checks)

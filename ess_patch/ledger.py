@@ -137,7 +137,11 @@ def _step_result(run: LedgerRun) -> EssLrResult | None:
             f"step, which it measures inside the loss ({run.reason}); is {run.framework}'s "
             "policy loss patched (ess_patch.install())?"
         )
-    result = reduce_tables(tables, error, run)
+    # granularity 'rollout' counts its rollout once towards calibration (shadow mode's later
+    # steps of the same rollout are logged, never counted: K counts rollouts, not steps)
+    result = reduce_tables(
+        tables, error, run, count=run.steps == 1 or run.config.granularity == "step"
+    )
     collapse_warning.observe(result, run.config, applied=not run.shadow, framework=run.framework)
     if run.shadow:
         STATE.shadow = result
@@ -145,10 +149,13 @@ def _step_result(run: LedgerRun) -> EssLrResult | None:
     return result
 
 
-def reduce_tables(tables: list, error: BaseException | None, run: LedgerRun) -> EssLrResult:
+def reduce_tables(
+    tables: list, error: BaseException | None, run: LedgerRun, *, count: bool = True
+) -> EssLrResult:
     """One step's result from its tables, identical on every rank (collectives: CP sum per
     trajectory, DP gather on the last stage, then a PP broadcast from it). ``error``: this
-    rank failed to build its tables; every rank raises."""
+    rank failed to build its tables; every rank raises. ``count``: whether it may count
+    towards calibration."""
     import torch
 
     from .compute import compute_ess_lr_from_stats
@@ -169,6 +176,7 @@ def reduce_tables(tables: list, error: BaseException | None, run: LedgerRun) -> 
                 cp_group=run.cp_group,
                 dp_group=run.dp_group,
                 error=error,
+                count=count,
             )
     except Exception as exc:
         failure = exc  # the other pipeline stages learn of it through the broadcast

@@ -57,6 +57,8 @@ class Target:
     (present only in some versions, or inherited) are skipped. ``decorator``: the
     ``ess_patch.vendored`` decorator a ``patches/`` diff puts on this definition (None: no
     series decorates it, or the target is another module's re-import of a decorated one).
+    ``vendored`` False: install() only; no ``patches/`` series carries it (a vendored tree gets
+    it from ``install()``, which still wraps it there), and the twin check leaves it out.
     """
 
     module: str
@@ -65,6 +67,7 @@ class Target:
     wrapper: Callable[..., Any]
     required: bool = True
     decorator: str | None = None
+    vendored: bool = True
 
     @property
     def path(self) -> str:

@@ -80,6 +80,13 @@ class _EssState:
     # the early-warning rule fed with this process's results (collapse_warning.py); a new rule
     # (another threshold or patience) or reset() starts it over
     early_warning: Any = None
+    # a stale rollout met while calibrating: warned once per calibration
+    calibration_warned: bool = False
+    # the policy version the trainer's weights were last published to the rollout engines as
+    # (miles' weight_updater.weight_version; None: no publish seen in this process), and
+    # whether it trained since (then no sample is on-policy): policy_version.py's "current"
+    trainer_version: str | None = None
+    trained_since_publish: bool = False
 
 
 STATE = _EssState()
@@ -122,6 +129,9 @@ def reset() -> None:
     STATE.calibration = (0.0, 0.0)
     STATE.calibration_key = None
     STATE.early_warning = None
+    STATE.calibration_warned = False
+    STATE.trainer_version = None
+    STATE.trained_since_publish = False
 
 
 def arm(result_or_scale: EssLrResult | float) -> EssLrResult:

@@ -20,7 +20,9 @@ from ess_patch.cli import main
 B = 8
 
 
-def _dump(folder: Path, length: int, s: float, offset: float = 0.0, rollouts: int = 3) -> Path:
+def _dump(
+    folder: Path, length: int, s: float, offset: float = 0.0, rollouts: int = 3, mask: int = 1
+) -> Path:
     folder.mkdir(parents=True)
     signs = torch.tensor([1.0 if t % 2 == 0 else -1.0 for t in range(length)], dtype=torch.float64)
     for rid in range(rollouts):
@@ -29,7 +31,7 @@ def _dump(folder: Path, length: int, s: float, offset: float = 0.0, rollouts: in
         data = {
             "log_probs": [t.float() for t in lp],
             "rollout_log_probs": [t.float() for t in rlp],
-            "loss_masks": [torch.ones(length, dtype=torch.int64) for _ in range(B)],
+            "loss_masks": [torch.full((length,), mask, dtype=torch.int64) for _ in range(B)],
             "total_lengths": [length + 5] * B,
             "response_lengths": [length] * B,
         }
@@ -109,3 +111,15 @@ def test_thresholds_at_their_boundaries(length, variance, weights):
         response_length=length, mismatch=0.1, token_variance=variance, trajectories=64
     )
     assert advise(evidence).weights == weights
+
+
+def test_nothing_measured_gives_no_advice_rather_than_product(tmp_path):
+    """Dumps whose every loss mask is 0: no trajectory was measured, and the advice says so
+    instead of reading "product" from an on-policy rho of exp(0) = 1."""
+    d = _dump(tmp_path / "dumps", 40, 0.1, 0.05, mask=0)
+    advice = analyze([d], tmp_path / "out", figure=False).advice
+    assert advice.weights == "none"
+    assert "nothing was measured" in advice.text()
+    assert "product" not in advice.lines[-1].split("check")[0]
+    assert not advice.product_brakes_on_policy and math.isnan(advice.product_on_policy_rho)
+    assert advise(Evidence(0.0, 0.0, 0.0, 0.0)).weights == "none"

@@ -50,6 +50,8 @@ def _install():
     from ess_patch.install import INTEGRATIONS
 
     for target in INTEGRATIONS["megatron"].targets:
+        if not target.vendored:  # install()-only (the checkpoint's calibration)
+            continue
         importlib.import_module(target.module)
         status = patching.target_status(target)
         assert status in (patching.MISSING, patching.VENDORED), f"{target.path} is not patched"

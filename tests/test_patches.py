@@ -44,6 +44,7 @@ from skips import missing_snapshot
 import ess_patch
 import ess_patch.vendored
 from ess_patch import patchset
+from ess_patch.install import INTEGRATIONS
 from ess_patch.integrations.registry import component
 from ess_patch.patchset import ConflictError, DirtyTreeError, State, UnknownTreeError
 from ess_patch.patchset.cli import main as patches_main
@@ -194,7 +195,9 @@ def test_install_skips_the_patched_copy_with_a_log_line(patched, fresh_python):
         emit(ess_patch.installed_targets())
     """
     result = fresh_python(code, _child_env(patched), timeout=120)
-    assert result.result == []
+    # only the install()-only targets (the checkpoint's calibration), which no series carries
+    install_only = {t.path for t in INTEGRATIONS["megatron"].targets if not t.vendored}
+    assert result.result and set(result.result) <= install_only, result.result
     assert result.stdout.count("already calls ess-patch (vendored diff") == 8
 
 

@@ -303,3 +303,45 @@ def test_shadow_critic_computes_nothing(clean_ess):
 
     _call(Namespace(ess_lr_shadow=True, loss_type="value_loss"), _rollout())
     assert STATE.shadow is None and ess_patch.armed() is None
+
+
+class _Actor:
+    """What the wrapper reads of miles' ``MegatronTrainRayActor``: ``weight_updater``."""
+
+    def __init__(self) -> None:
+        self.weight_updater = Namespace(weight_version=0)
+
+    def update_weights(self, info=None) -> None:  # miles: version++ then push to the engines
+        self.weight_updater.weight_version += 1
+
+
+def test_calibration_counts_the_samples_of_the_published_weights_only(clean_ess):
+    """miles: each sample's ``weight_versions`` against the version ``update_weights`` last
+    published; after a rollout trained without a new publish nothing is on-policy."""
+    from ess_patch.integrations.rl_hooks import published_wrapper
+    from ess_patch.state import STATE
+
+    actor = _Actor()
+    args = Namespace(use_ess_lr=True, ess_lr_weight_mode="product", ess_lr_calibrate_rollouts=3)
+    lp = [torch.tensor([x], dtype=torch.float64) for x in (0.0, 1.0986122886681098, 0.0, 2.0)]
+    data = {
+        "log_probs": lp,
+        "rollout_log_probs": [torch.zeros(1, dtype=torch.float64)] * 4,
+        "loss_masks": [torch.ones(1)] * 4,
+    }
+
+    def rollout(versions):
+        _call(args, {**data, "weight_versions": versions})
+        return STATE.calibration
+
+    published_wrapper(actor.update_weights, actor, (), {})  # version 1 reaches the engines
+    # two samples of version 1 (weights 1 and 3: rho 0.8), two older ones: the pair counts
+    assert rollout([["1"], ["1"], ["0"], ["0", "1"]]) == (1.0, pytest.approx(0.8))
+    # trained since, no publish: no sample is on-policy, nothing counted (warned)
+    assert rollout([["1"]] * 4) == (1.0, pytest.approx(0.8))
+    assert ess_patch.armed().status == "ok"  # braked by the ratio so far, not unscaled
+    published_wrapper(actor.update_weights, actor, (), {})  # version 2
+    assert rollout([["2"]] * 4)[0] == 2.0
+    # without recorded versions every sample counts, as before
+    _call(args, data)
+    assert STATE.calibration[0] == 3.0

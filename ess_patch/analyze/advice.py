@@ -98,7 +98,7 @@ class Evidence:
 class Advice:
     """The recommendation and why (``lines``, for a reader)."""
 
-    weights: str  # "product", "product+calibration" or "geometric"
+    weights: str  # "product", "product+calibration", "geometric", or "none" (nothing measured)
     product_on_policy_rho: float
     product_on_policy_scale: float
     product_brakes_on_policy: bool
@@ -122,8 +122,11 @@ class Advice:
 
 
 def advise(evidence: Evidence) -> Advice:
-    """The weights for this run, by the rule of the module docstring."""
+    """The weights for this run, by the rule of the module docstring; ``"none"`` when the
+    evidence holds no measured trajectory (no advice can be read from nothing)."""
     e = evidence
+    if e.trajectories < 1 or e.response_length <= 0:
+        return _nothing_measured()
     rho = on_policy_product_rho(e.response_length, e.token_variance, e.trajectories)
     scale = sqrt_scale(rho)
     observed_quiet = bool(e.product_scales) and _mean(e.product_scales) >= BRAKE_SCALE
@@ -185,6 +188,17 @@ def advise(evidence: Evidence) -> Advice:
             )
         )
     return Advice(weights, rho, scale, brakes, saturated, geometric_quiet, tuple(lines))
+
+
+def _nothing_measured() -> Advice:
+    """No masked token with finite log-probs anywhere: say so rather than advise."""
+    lines = (
+        "nothing was measured: no trajectory with a masked response token and finite "
+        "train and rollout log-probs in these rollouts",
+        "-> no advice on the weights: check that the dumps hold log_probs, "
+        "rollout_log_probs and loss_masks of the policy's responses",
+    )
+    return Advice("none", math.nan, math.nan, False, False, False, lines)
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,16 @@ megatron-core 0.16.1 facts this relies on:
 - ChainedOptimizer.param_groups is a fresh list of the children's shared dicts.
 A skipped step returns ``(False, None, None)`` before any update; the LR context restores
 the LRs in every case, before the caller's scheduler runs.
+
+And the checkpoint (``ess_patch.checkpoint``): ``state_dict`` / ``sharded_state_dict`` /
+``load_state_dict`` of the classes that define them (Float16OptimizerWithFloat16Params,
+FP32Optimizer, DistributedOptimizer; ChainedOptimizer delegates to its children) carry the
+``calibrate_rollouts`` calibration, so a job resumed from its checkpoint keeps its ratio.
 """
 
 from __future__ import annotations
 
+from ..checkpoint import load_state_dict_wrapper, state_dict_wrapper
 from ..lr import step_wrapper
 from ..patching import Target
 from . import Integration
@@ -21,6 +27,27 @@ _OPT = "megatron.core.optimizer.optimizer"
 _DIST = "megatron.core.optimizer.distrib_optimizer"
 _LAYER = "megatron.core.optimizer.layer_wise_optimizer"
 _METHODS = ("step", "step_with_ready_grads")
+
+
+def _checkpoint_targets() -> tuple[Target, ...]:
+    """The leaf optimizers' state dicts (optional: a class that inherits one is skipped)."""
+    classes = [
+        (_OPT, "Float16OptimizerWithFloat16Params"),
+        (_OPT, "FP32Optimizer"),
+        (_DIST, "DistributedOptimizer"),
+    ]
+    methods = {
+        "state_dict": state_dict_wrapper,
+        "sharded_state_dict": state_dict_wrapper,
+        "load_state_dict": load_state_dict_wrapper,
+    }
+    return tuple(
+        # install() only: the patches/ series decorate the optimizer steps, not these (a
+        # vendored tree keeps its calibration across a resume when install() runs too)
+        Target(module, owner, method, wrapper, required=False, vendored=False)
+        for module, owner in classes
+        for method, wrapper in methods.items()
+    )
 
 
 def _targets() -> tuple[Target, ...]:
@@ -57,5 +84,5 @@ MEGATRON = Integration(
     name="megatron",
     distribution="megatron-core",
     supported=">=0.14,<0.20",
-    targets=_targets(),
+    targets=_targets() + _checkpoint_targets(),
 )

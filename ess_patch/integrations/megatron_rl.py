@@ -44,6 +44,7 @@ from typing import Any
 
 from .. import collapse_warning
 from ..guard import arm, refuse
+from .. import calibration
 from ..patching import MissingTargetError, Target
 from ..state import STATE, armed, disarm
 from . import Integration
@@ -417,6 +418,8 @@ def _compute_and_arm(args: Any, build: Callable[[], Rows], shadow: bool = False)
         fault = exc if isinstance(exc, ValueError) else ValueError(f"ess-patch ({NAME}): {exc}")
     error: BaseException | None = None
     result = None
+    # what the calibration held before: kept only once every stage agreed on the result
+    before = calibration.snapshot()
     try:
         # every stage holds the rows: each computes over its DP group (no PP broadcast)
         result = compute_ess_lr(*inputs, config=config, dp_group=groups.dp_group, error=fault)
@@ -425,6 +428,7 @@ def _compute_and_arm(args: Any, build: Callable[[], Rows], shadow: bool = False)
     for group, name in ((groups.cp_group, "CP"), (groups.pp_group, "PP")):
         error = _agree(result, error, group, name, config)  # no collective on a group of one
     if error is not None:
+        calibration.restore(before)
         raise error
     assert result is not None  # no error: computed
     collapse_warning.observe(result, config, applied=not shadow, framework=NAME)

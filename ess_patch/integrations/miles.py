@@ -28,6 +28,10 @@ only other file to read); the FSDP backend's torch optimizer is attach()ed inste
 - ``FSDPTrainRayActor._train_core``: attaches the plain torch optimizer (once) before training.
 - ``MegatronTrainRayActor.train_critic``: makes its process the critic before the advantage
   hook runs (never measured, scaled or logged as a policy).
+- ``MegatronTrainRayActor.update_weights``: after the rollout engines receive the trainer's
+  weights, remembers the version they were published as, so that ``calibrate_rollouts``
+  counts only the samples whose ``weight_versions`` are that version (install() only: no
+  ``patches/`` series carries it).
 
 The shapes (read in the snapshots in ../shared/upstream and miles' public history):
 
@@ -62,6 +66,7 @@ from .rl_hooks import (
     common_targets,
     critic_wrapper,
     ess_metrics,
+    published_wrapper,
     rollout_logprobs_only,
 )
 from .shapes import Aspect, Feature, History, Shape
@@ -379,6 +384,14 @@ MILES = Integration(
             "train_critic",
             critic_wrapper,
             decorator="miles_train_critic",
+        ),
+        Target(
+            _ACTOR,
+            "MegatronTrainRayActor",
+            "update_weights",
+            published_wrapper,
+            required=False,
+            vendored=False,
         ),
         Target(
             _FSDP_EXPERIMENTAL,

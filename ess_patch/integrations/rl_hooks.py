@@ -161,6 +161,39 @@ def is_critic(args: Any) -> bool:
     return STATE.role == "critic" or getattr(args, "loss_type", None) == "value_loss"
 
 
+def published_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Wrap the actor's ``update_weights`` (miles ``MegatronTrainRayActor``): once the rollout
+    engines hold the trainer's weights, remember the version they were published as
+    (``weight_updater.weight_version``, what each sample's ``weight_versions`` records), so
+    that calibration counts only the samples those very weights generated."""
+    out = wrapped(*args, **kwargs)
+    version = getattr(getattr(instance, "weight_updater", None), "weight_version", None)
+    if version is not None:
+        STATE.trainer_version = str(version)
+        STATE.trained_since_publish = False
+    return out
+
+
+def _policy_versions(rollout_data: dict, config: EssLrConfig) -> dict[str, Any]:
+    """``compute_ess_lr``'s ``policy_versions`` / ``current_version`` for this rollout: each
+    sample's recorded versions (miles ``weight_versions``) against the version the trainer's
+    weights were published as; empty (every sample counts) without calibration, without
+    recorded versions, or when no publish was seen in this process."""
+    versions = rollout_data.get("weight_versions")
+    if not config.calibrate_rollouts or not versions:
+        return {}
+    if STATE.trainer_version is None:
+        logger.debug("ess-patch: no weight publish seen in this process: every sample counts")
+        return {}
+    # trained since its last publish: the trainer's weights generated no sample at all
+    current = UNPUBLISHED if STATE.trained_since_publish else STATE.trainer_version
+    return {"policy_versions": versions, "current_version": current}
+
+
+#: The trainer's version after it trained past its last publish: matches no sample's.
+UNPUBLISHED = "unpublished (trained since the last weight update)"
+
+
 def critic_wrapper(wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict) -> Any:
     """Wrap the critic's train entry (``MegatronTrainRayActor.train_critic``): it calls
     ``compute_advantages_and_returns`` before it sets ``args.loss_type = "value_loss"`` (miles
@@ -239,10 +272,14 @@ def advantage_wrapper(framework: Framework) -> Callable[..., Any]:
         groups = framework.groups_for(call.arguments)
         config = config_from_args(host_args)
         if _start_ledger(framework, host_args, config, rollout_data, groups, shadow=not enabled):
+            STATE.trained_since_publish = True  # this rollout's steps move the weights
             return out
-        result = compute_from_rollout(
-            framework, host_args, rollout_data, groups, config, shadow=not enabled
-        )
+        try:
+            result = compute_from_rollout(
+                framework, host_args, rollout_data, groups, config, shadow=not enabled
+            )
+        finally:
+            STATE.trained_since_publish = True  # this rollout's steps move the weights
         collapse_warning.observe(result, config, applied=enabled, framework=framework.name)
         if enabled:
             arm(result)
@@ -312,6 +349,7 @@ def compute_from_rollout(
     from ..compute import compute_ess_lr
 
     groups = framework.groups() if groups is None else groups
+    config = config_from_args(args) if config is None else config
     masks, error = rollout_data.get("loss_masks"), None
     try:
         masks = _local_masks(masks, groups, args, rollout_data)
@@ -321,11 +359,12 @@ def compute_from_rollout(
         rollout_data.get("log_probs"),
         rollout_data.get("rollout_log_probs"),
         masks,
-        config=config_from_args(args) if config is None else config,
+        config=config,
         cp_group=groups.cp_group,
         dp_group=groups.dp_group,
         pp_group=groups.pp_group,
         error=error,
+        **_policy_versions(rollout_data, config),
     )
     if out.status == "missing":
         _missing(framework, rollout_data, shadow)

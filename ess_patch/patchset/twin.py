@@ -157,7 +157,8 @@ _Site = tuple[str, str, str]  # (file, owner or "", function): where a definitio
 def _targets(component: str) -> tuple[Target, ...]:
     from ..install import INTEGRATIONS  # install imports the integrations' hosts lazily too
 
-    return INTEGRATIONS[INTEGRATION_OF[component]].targets
+    # install()-only targets (Target.vendored False) are no series' business
+    return tuple(t for t in INTEGRATIONS[INTEGRATION_OF[component]].targets if t.vendored)
 
 
 def _decorators(component: str) -> dict[_Site, str]:

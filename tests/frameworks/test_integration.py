@@ -69,7 +69,7 @@ def _install(integrations) -> None:
     seen = 0
     for name in names:
         for target in INTEGRATIONS[name].targets:
-            if target.module not in sys.modules:
+            if target.module not in sys.modules or not target.vendored:  # install()-only
                 continue
             status = patching.target_status(target)
             if status == patching.MISSING and not target.required:

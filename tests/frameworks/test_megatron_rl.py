@@ -163,6 +163,8 @@ def rank_unpacked(bad: str = "", mode: str = "product") -> dict:
 
     if bad == "shadow":  # --ess-lr-shadow instead of --use-ess-lr
         _set_host_args(mode, use_ess_lr=False, ess_lr_shadow=True)
+    elif bad == "split-calibrating":
+        _set_host_args(mode, ess_lr_calibrate_rollouts=2)
     else:
         _set_host_args(mode)
     from megatron.rl import rl_utils
@@ -180,7 +182,7 @@ def rank_unpacked(bad: str = "", mode: str = "product") -> dict:
         inference = inference[:-1]  # one trajectory fewer than old has rows
     if bad == "missing" and lay.dp_rank == 1:
         inference = None
-    if bad == "split" and lay.cp_rank == 1:  # CP peers whose rows differ (not whole rows)
+    if bad.startswith("split") and lay.cp_rank == 1:  # CP peers whose rows differ (not whole rows)
         inference = [t + 0.25 for t in inference[:-1]] + inference[-1:]
     stats = SimpleNamespace()
     with megatron_on_cpu():
@@ -192,7 +194,11 @@ def rank_unpacked(bad: str = "", mode: str = "product") -> dict:
                 group_stats=stats,
             )
         except Exception as exc:
-            return {"error": f"{type(exc).__name__}: {exc}", "armed": ess_patch.armed()}
+            return {
+                "error": f"{type(exc).__name__}: {exc}",
+                "armed": ess_patch.armed(),
+                "calibration": STATE.calibration,
+            }
     plain = rl_utils.align_unpacked_inference_logprobs.__wrapped__(
         inference, old, gen_masks, SimpleNamespace()
     )
@@ -358,6 +364,18 @@ def test_cp_peers_with_different_rows_are_an_error_on_every_rank(tmp_path):
     results = run_ranks(rank_unpacked, dp=DP, cp=2, args=("split",), tmp_path=tmp_path, timeout=120)
     assert all(r["armed"] is None for r in results), results
     assert all("the CP ranks computed different ESS results" in r["error"] for r in results)
+
+
+@pytest.mark.dist
+def test_a_collection_the_stages_disagree_on_counts_nothing_towards_calibration(tmp_path):
+    """Each rank calibrates before the CP / PP agreement check; when the check fails, the
+    count it saved is undone on every rank (else a caller that survives the error would
+    continue from a calibration counted on a result nobody trained with)."""
+    results = run_ranks(
+        rank_unpacked, dp=DP, cp=2, args=("split-calibrating",), tmp_path=tmp_path, timeout=120
+    )
+    assert all("the CP ranks computed different ESS results" in r["error"] for r in results)
+    assert [r["calibration"] for r in results] == [(0.0, 0.0)] * len(results)
 
 
 def rank_packed(bad: str = "", mode: str = "product") -> dict:
