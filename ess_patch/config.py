@@ -21,8 +21,8 @@ __all__ = [
     "RULES",
     "WEIGHT_MODES",
     "EssLrConfig",
-    "check_rule",
     "check_env_names",
+    "check_rule",
     "describe_fingerprint",
 ]
 

@@ -42,9 +42,8 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .. import collapse_warning
+from .. import calibration, collapse_warning
 from ..guard import arm, refuse
-from .. import calibration
 from ..patching import MissingTargetError, Target
 from ..state import STATE, armed, disarm
 from . import Integration

@@ -88,12 +88,13 @@ from typing import Any
 
 from .. import collapse_warning
 from ..config import EssLrConfig
+from ..guard import allow_unscaled, applied_scale, arm
 from ..patching import FailClosedError, MissingTargetError, Target
 from ..result import EssLrResult
-from ..state import arm, disarm
+from ..state import disarm
 from . import Integration
 from .binding import bind, bind_method, call_method, call_with, undecorated
-from .rl_hooks import Groups, megatron_groups, result_metrics
+from .rl_hooks import Groups, applied_metrics, megatron_groups, result_metrics
 from .shapes import Aspect, Feature, History, Shape
 from .verl_driver import runtime_env_wrapper
 from .verl_settings import ENV_ENABLE, VerlSettings, config_wrapper, enable_requested, settings
@@ -319,7 +320,10 @@ def engine_train_batch_wrapper(
     out = wrapped(*args, **kwargs)
     metrics = _engine_metrics(out)
     if metrics is not None:  # only the ranks verl gathers outputs from
-        metrics.update(result_metrics(result, applied=chosen.enabled))
+        # the scale the step applied, read back from it (never copied from the result)
+        metrics.update(
+            applied_metrics(result) if chosen.enabled else result_metrics(result, applied=False)
+        )
     return out
 
 
@@ -360,26 +364,37 @@ def _engine_metrics(output: Any) -> dict | None:
 def _each(
     dataloader: Iterable[Any],
     result_of: Callable[[Any], EssLrResult],
-    results: list[EssLrResult],
+    results: list[tuple[EssLrResult, float | None]],
     enabled: bool,
 ) -> Iterator[Any]:
     """The mini-batches as drawn, each one's result computed (and armed) before verl trains
-    on it, so that the optimizer step that follows uses that mini-batch's scale."""
+    on it, so that the optimizer step that follows uses that mini-batch's scale; when verl
+    asks for the next one, the scale that step applied is read back for the metrics."""
     for data in dataloader:
         result = result_of(data)
-        results.append(result)
         if enabled:
             arm(result)
         yield data
+        results.append((result, applied_scale() if enabled else None))
 
 
-def _add_metrics(metrics: Any, results: list[EssLrResult], enabled: bool) -> None:
-    """One value per optimizer step under ``actor/``, as verl's own per-step metrics."""
+def _add_metrics(
+    metrics: Any, results: list[tuple[EssLrResult, float | None]], enabled: bool
+) -> None:
+    """One value per optimizer step under ``actor/``, as verl's own per-step metrics; the
+    ``lr_scale`` of a step is the one it applied (read back), never the armed result's."""
     if not isinstance(metrics, dict):
         logger.warning("ess-patch (verl): update_policy returned no metrics dict; ESS not logged")
         return
-    for result in results:
-        for key, value in result_metrics(result, applied=enabled).items():
+    for result, applied in results:
+        values = result_metrics(result, applied=enabled)
+        if enabled and "lr_scale" in values:
+            scale = values.pop("lr_scale")
+            if applied is None:
+                values["ess_lr_armed_scale"] = scale
+            else:
+                values["lr_scale"] = applied
+        for key, value in values.items():
             metrics.setdefault(METRIC_PREFIX + key, []).append(value)
 
 
@@ -441,7 +456,7 @@ def update_policy_wrapper(
         return wrapped(*args, **kwargs)  # off: no collective, no LR write
     call = bind_method(wrapped, instance, args, kwargs)
     dataloader = _the(call, wrapped, "dataloader")
-    results: list[EssLrResult] = []
+    results: list[tuple[EssLrResult, float | None]] = []
     if chosen.config.granularity == "rollout":
         rollout = vars(instance).pop(_ROLLOUT_RESULT, None)
         if rollout is None:
@@ -540,6 +555,12 @@ class _VerlHistory(History):
             raise
         except MissingTargetError as exc:
             if not enable_requested():
+                raise
+            if allow_unscaled():  # the explicit opt-out: roll verl back, logged as such
+                logger.warning(
+                    "ess-patch (verl, opt-out ESS_PATCH_ALLOW_UNSCALED): going on unscaled: %s",
+                    exc,
+                )
                 raise
             raise FailClosedError(
                 f"{exc}. {ENV_ENABLE} is on in this process, so the run stops here rather "

@@ -670,6 +670,8 @@ def test_miles_shadow_mode_warns_once_when_rho_stays_below_the_threshold(
     assert message.startswith("ess-patch (miles): ESS early warning at rollout 1 ")
     assert f"rho {ref['rho']:.3g}, {ref['rho']:.3g} over rollouts 0-1" in message
     assert "shadow mode" in message and "--use-ess-lr" in message
+
+
 def _roll_back_megatron(_setup) -> None:
     """What a late import lacking a megatron-core symbol does (install's post-import hook)."""
     from ess_patch.install import _roll_back
