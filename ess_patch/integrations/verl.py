@@ -335,13 +335,19 @@ def tinker_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwar
     if instance is None:
         return wrapped(*args, **kwargs)
     actor_config = getattr(getattr(instance, "config", None), "actor", None)
-    if settings(actor_config) is not None:
+    if settings(actor_config) is not None and not allow_unscaled():
         raise NotImplementedError(
             f"ESS-LR (verl): the Tinker worker ({type(instance).__name__}.forward_backward / "
             "optimizer_step) trains the actor outside update_actor / train_batch, where "
             "ESS-LR measures each mini-batch, so its optimizer steps would run at the "
             "scheduled LR. Train through update_actor (verl's PPO trainer), or turn "
             "ESS-LR off (ESS_LR_ENABLE, actor.ess_scaling.enable, ESS_LR_SHADOW)"
+        )
+    if settings(actor_config) is not None:
+        logger.warning(
+            "ess-patch (verl, opt-out ESS_PATCH_ALLOW_UNSCALED): going on unscaled: the Tinker "
+            "worker's %s steps the actor at the scheduled LR",
+            wrapped.__name__,
         )
     return wrapped(*args, **kwargs)
 
