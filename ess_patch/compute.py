@@ -82,7 +82,7 @@ def compute_ess_lr(
             generated it, or one per generation call (miles' ``weight_versions``); with
             ``current_version``, the version of the weights being trained now. Only for
             ``calibrate_rollouts``: it then counts only the on-policy trajectories
-            (:mod:`ess_patch.policy_version`, :mod:`ess_patch.calibration`). The scale itself
+            (``ess_patch.policy_version``, ``ess_patch.calibration``). The scale itself
             is over every trajectory, as without them. Give both or neither.
         current_version: see ``policy_versions``.
         **removed: nothing is accepted here; a keyword removed since 0.1.0

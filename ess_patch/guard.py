@@ -111,14 +111,14 @@ def refuse(framework: str, missing: str, fix: str, *, kind: type[Exception] | No
 
 
 def arm(result_or_scale: EssLrResult | float) -> EssLrResult:
-    """:func:`ess_patch.state.arm` after :func:`check_applier`: the public ``ess_patch.arm``,
+    """``ess_patch.state.arm`` after :func:`check_applier`: the public ``ess_patch.arm``,
     and what every framework hook arms with.
 
     Raises:
         ValueError: a scale outside (0, 1]; or the auto-install failed on a bad setting.
         RuntimeError: the auto-install failed for another reason.
-        EssLrNotAppliedError: install() is in effect and nothing wraps an optimizer step.
-        Nothing is armed then.
+        EssLrNotAppliedError: install() is in effect and nothing wraps an optimizer step;
+            nothing is armed then.
     """
     if not isinstance(result_or_scale, EssLrResult):
         check_scale(result_or_scale)
