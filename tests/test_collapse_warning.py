@@ -112,9 +112,9 @@ def test_with_ess_lr_on_it_warns_and_says_the_scale(clean_ess, caplog):
 
 def test_the_options_set_the_rule(clean_ess, caplog):
     with caplog.at_level(logging.WARNING, logger="ess_patch"):
-        _run(Namespace(ess_lr_shadow=True, ess_lr_warn_threshold=0.0), COLLAPSING)
+        _run(Namespace(use_ess_lr=False, ess_lr_shadow=True, ess_lr_warn_threshold=0.0), COLLAPSING)
         assert _warnings(caplog) == []  # 0: off
-        _run(Namespace(ess_lr_shadow=True, ess_lr_warn_patience=2), COLLAPSING)
+        _run(Namespace(use_ess_lr=False, ess_lr_shadow=True, ess_lr_warn_patience=2), COLLAPSING)
     # a new rule (another patience): counted from the first result it saw, index 0
     [message] = _warnings(caplog)
     assert "at rollout 5 " in message and "below 0.2 for 2 in a row" in message
@@ -124,7 +124,7 @@ def test_ess_lr_warn_variables_reach_the_rule(clean_ess, caplog, monkeypatch):
     monkeypatch.setenv("ESS_LR_WARN_THRESHOLD", "0.7")
     monkeypatch.setenv("ESS_LR_WARN_PATIENCE", "1")
     with caplog.at_level(logging.WARNING, logger="ess_patch"):
-        _run(Namespace(ess_lr_shadow=True), [0.0, 1.5])  # rho 1, then 0.61 < 0.7
+        _run(Namespace(use_ess_lr=False, ess_lr_shadow=True), [0.0, 1.5])  # rho 1, then 0.61 < 0.7
     [message] = _warnings(caplog)
     assert "at rollout 1 " in message and "below 0.7 for 1 in a row" in message
 
@@ -141,11 +141,13 @@ def test_a_bad_variable_is_named(variable, value, allowed, monkeypatch):
 
 def test_the_critic_and_unmeasured_rollouts_feed_nothing(clean_ess, caplog):
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        _run(Namespace(ess_lr_shadow=True, loss_type="value_loss"), COLLAPSING)
+        _run(Namespace(use_ess_lr=False, ess_lr_shadow=True, loss_type="value_loss"), COLLAPSING)
         data = _rollout(6.0)
         data["log_probs"] = None  # unmeasured: rho 1 would read as "no staleness"
         for _ in range(4):
-            advantage_wrapper(SINGLE)(_advantages, None, (Namespace(ess_lr_shadow=True), data), {})
+            advantage_wrapper(SINGLE)(
+                _advantages, None, (Namespace(use_ess_lr=False, ess_lr_shadow=True), data), {}
+            )
     assert _warnings(caplog) == [] and STATE.early_warning is None
 
 
@@ -190,7 +192,9 @@ def _ranks_run(series: list[float]) -> tuple[int, list[int], list[str]]:
     for x in series:
         data = _rollout(x)
         data = {k: v[keep] for k, v in data.items()}
-        advantage_wrapper(framework)(_advantages, None, (Namespace(ess_lr_shadow=True), data), {})
+        advantage_wrapper(framework)(
+            _advantages, None, (Namespace(use_ess_lr=False, ess_lr_shadow=True), data), {}
+        )
     return lay.rank, list(STATE.early_warning.fired), messages
 
 
