@@ -21,8 +21,6 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from . import calibration
-
 __all__ = ["load_state_dict_wrapper", "state_dict_wrapper"]
 
 logger = logging.getLogger(__name__)
@@ -33,6 +31,8 @@ def state_dict_wrapper(
 ) -> Any:
     """wrapt wrapper for ``state_dict`` / ``sharded_state_dict``: the host's dict, plus the
     calibration this rank holds (none held: the host's dict unchanged)."""
+    from . import calibration  # here: install() (run at start-up) must not import torch
+
     out = wrapped(*args, **kwargs)
     kept = calibration.saved()
     if kept is not None and isinstance(out, dict):
@@ -48,6 +48,8 @@ def load_state_dict_wrapper(
 
     Raises:
         ValueError: the key holds something else than a calibration (nothing is loaded)."""
+    from . import calibration  # here: install() (run at start-up) must not import torch
+
     if args:
         state, rest = args[0], args[1:]
     else:

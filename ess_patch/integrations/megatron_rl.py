@@ -42,7 +42,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .. import calibration, collapse_warning
+from .. import collapse_warning
 from ..guard import arm, refuse
 from ..patching import MissingTargetError, Target
 from ..state import STATE, armed, disarm
@@ -405,6 +405,8 @@ def _agree(result: Any, error: BaseException | None, group: Any, name: str, conf
 def _compute_and_arm(args: Any, build: Callable[[], Rows], shadow: bool = False) -> None:
     """``build()`` -> per-trajectory (train, inference, mask) lists on this rank; arm the ESS
     (shadow mode: keep it for the logs only), or raise the same fault on every rank."""
+    # Imported here: install() (run at start-up) must not import torch.
+    from .. import calibration
     from ..compute import compute_ess_lr
 
     groups = MEGATRON_RL_FRAMEWORK.groups()
