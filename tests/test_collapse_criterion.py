@@ -133,3 +133,11 @@ def test_early_warning_scores_hits_misses_and_false_alarms():
     assert s.lead_steps == (37,)
     assert s.hit_rate == pytest.approx(1 / 3) and s.false_alarm_rate == pytest.approx(0.5)
     assert math.isnan(c.early_warning([], 0.3).hit_rate)
+
+
+def test_the_peak_is_taken_from_the_first_full_window_on():
+    # one lucky first sample: the 1-step "average" at step 0 is 0.9, but the run never
+    # learns (flat 0.5): start = peak = the first full window's mean, (0.9 + 19 x 0.5) / 20
+    rewards = [0.9] + [0.5] * 399
+    v = c.judge(run(rewards), run([0.5] * 400))
+    assert not v.collapsed and v.start == v.peak == pytest.approx(0.52)

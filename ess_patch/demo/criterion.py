@@ -7,6 +7,9 @@ any of these holds (:func:`judge`; ``reasons`` names which):
 * ``nonfinite``: a reward, loss or gradient norm is NaN or infinite;
 * ``giveback``: after learning (the smoothed reward rose at least :data:`MIN_GAIN` above its
   start), the smoothed reward ends more than :data:`GIVEBACK` of that gain below its peak;
+  start and peak are taken from the first full smoothing window on (a fix made after the
+  first selection runs: the peak had included the shorter, noisier averages of the first
+  window's steps; the selection was re-judged from its cached runs, see selection.txt);
 * ``spike``: the gradient norm exceeds :data:`SPIKE_FACTOR` x the median of the previous
   :data:`SPIKE_HISTORY` steps (at least :data:`SPIKE_MIN_HISTORY` of them), and the smoothed
   reward ends at least :data:`LOST_REWARD` below its value at the spike;
@@ -111,8 +114,9 @@ def _spike(grads: Sequence[float], s: Sequence[float]) -> int | None:
 
 
 def _gain(s: Sequence[float]) -> tuple[float, float, float]:
-    start = s[window(len(s)) - 1]
-    return start, max(s), s[-1]
+    # from the first full window on: before it the average is over fewer steps (noisier)
+    first = window(len(s)) - 1
+    return s[first], max(s[first:]), s[-1]
 
 
 def judge(
@@ -155,7 +159,8 @@ def judge(
             and final - start < STALL_FRACTION * sync_gain
             and final - quarter < 0.1 * sync_gain
         ):
-            onsets["stalled"] = max(range(len(s)), key=lambda i: (s[i], -i))
+            first = window(len(s)) - 1
+            onsets["stalled"] = max(range(first, len(s)), key=lambda i: (s[i], -i))
     reasons = tuple(k for k in ("nonfinite", "giveback", "spike", "stalled") if k in onsets)
     return Verdict(
         collapsed=bool(reasons),

@@ -72,8 +72,24 @@ logger = logging.getLogger(__name__)
 #: step, no floor); "constant": armed every step with one fixed scale, ``constant_scale``
 #: if set, else the mean scale of the ``control_of`` arm in the same run (a smaller LR that
 #: does not look at staleness); "sync": the "off" arm with every rollout fresh (lag 0, the
-#: synchronous reference); "calibrated": product weights with ``calibrate_rollouts``.
-ARMS = ("off", "on", "geometric", "product", "vcpo", "constant", "sync", "calibrated")
+#: synchronous reference); "calibrated": product weights with ``calibrate_rollouts``;
+#: "baseline": never armed, VCPO's minimum-variance off-policy baseline in place of the group
+#: mean (:mod:`ess_patch.demo.opob`); "ess+baseline": that baseline and the "product" arm's
+#: ESS-LR (VCPO as published: both halves).
+ARMS = (
+    "off",
+    "on",
+    "geometric",
+    "product",
+    "vcpo",
+    "constant",
+    "sync",
+    "calibrated",
+    "baseline",
+    "ess+baseline",
+)
+#: The arms whose advantage is ``R - b*`` (VCPO's baseline) instead of the group mean's.
+BASELINE_ARMS = ("baseline", "ess+baseline")
 DEFAULT_ARMS = ("off", "geometric", "product")
 #: The policy-gradient losses (see the module docstring).
 LOSSES = ("tis", "sequence", "seq-tis")
@@ -263,6 +279,8 @@ class DemoConfig:
         """The ESS-LR config of an arm (its own weight mode, VCPO's rule for "vcpo")."""
         if arm_name in ("geometric", "product"):
             return replace(self.ess, weight_mode=arm_name)
+        if arm_name == "ess+baseline":
+            return replace(self.ess, weight_mode="product")
         if arm_name == "calibrated":
             return replace(
                 self.ess, weight_mode="product", calibrate_rollouts=self.calibration_rollouts
@@ -596,6 +614,18 @@ def _train_arm(
         engine = RolloutEngine(cfg.spec, tp=cfg.tp, device=cfg.device)
     lay = _Layout.current(model.config)
     last = ps.is_pipeline_last_stage()
+    glue = None
+    if arm_name in BASELINE_ARMS:
+        from .opob import BaselineGlue
+
+        glue = BaselineGlue(
+            model,
+            ddp,
+            tp_group=ps.get_tensor_model_parallel_group(),
+            pp_group=lay.pp_group,
+            dp_group=lay.dp_group,
+        )
+        group_ids = torch.arange(cfg.prompts_per_rank).repeat_interleave(cfg.group_size)
     writer = is_writer(cfg, lay)
 
     applied: list[float] = []
@@ -626,13 +656,15 @@ def _train_arm(
         t1, c1 = time.perf_counter(), time.thread_time()
 
         ids, pos = train_inputs(roll.prompts, roll.tokens)
+        # the baseline arms' loss has advantage 1: the glue rewrites it to R - b* in finalize
+        adv = torch.ones_like(roll.advantages) if glue else roll.advantages
         micro = [
             {
                 "input_ids": ids[i : i + mb],
                 "position_ids": pos[i : i + mb],
                 "tokens": roll.tokens[i : i + mb],
                 "rollout_logp": roll.logp[i : i + mb],
-                "advantages": roll.advantages[i : i + mb].to(cfg.device),
+                "advantages": adv[i : i + mb].to(cfg.device),
             }
             for i in range(0, cfg.rollouts_per_rank, mb)
         ]
@@ -641,6 +673,8 @@ def _train_arm(
 
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
+        if glue is not None:
+            glue.begin(roll.rewards, group_ids)
         with shim():
             losses = forward_backward(
                 forward_step_func=forward_step,
@@ -664,7 +698,7 @@ def _train_arm(
                 dp_group=lay.dp_group,
                 pp_group=lay.pp_group,
             )
-            if arm_name in ("off", "sync"):
+            if arm_name in ("off", "sync", "baseline"):
                 disarm()
                 scales.append(1.0)
             elif arm_name == "constant":
@@ -688,6 +722,8 @@ def _train_arm(
         t5 = time.perf_counter()
 
         stats = _step_stats(cfg, logp, roll, losses, lay) if last else None
+        # every rank: the glue's metrics are averaged over DP (a collective)
+        baseline_metrics = glue.metrics() if glue is not None else {}
         if writer:
             assert stats is not None
             rec = {
@@ -713,6 +749,7 @@ def _train_arm(
                 "cpu_train_s": (c2 - c1) + (c4 - c3),
                 "cpu_ess_s": c3 - c2,
             }
+            rec.update({f"opob_{k}": v for k, v in baseline_metrics.items()})
             if step == cfg.steps - 1:
                 rec["weights_sha256"] = _digest(versions[-1])
             records.append(rec)
@@ -720,6 +757,8 @@ def _train_arm(
                 progress.put((arm_name, step))
     for hook in hooks:
         hook.remove()
+    if glue is not None:
+        glue.remove()
     if cfg.install_ess:
         disarm()
     return records, scales, writer
