@@ -129,8 +129,11 @@ def test_every_layout_loads_the_same_warm_start(warm, layout, tmp_path):
     one = launch(base, tmp_path / "one")
     other = launch(dataclasses.replace(base, **layout), tmp_path / "other")
     assert one[0]["reward"] == other[0]["reward"]
-    for key in ("mismatch", "entropy", "kl"):
-        assert other[0][key] == pytest.approx(one[0][key], rel=1e-3, abs=1e-5), key
+    # the fp32 trainer's entropy to float32 rounding; the bf16 engine's side of the mismatch
+    # rounds differently when its matmuls are split (about 3% of the 3e-3 nats / token)
+    assert other[0]["entropy"] == pytest.approx(one[0]["entropy"], rel=1e-4)
+    for key in ("mismatch", "kl"):
+        assert other[0][key] == pytest.approx(one[0][key], abs=5e-4), key
     # and the warm start is what loaded: its reward is far above a fresh policy's 0.1
     assert one[0]["reward"] > 0.25
 

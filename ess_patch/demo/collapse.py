@@ -52,18 +52,29 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-COLLAPSE_ARMS = ("sync", "off", "product", "geometric", "calibrated", "constant")
+COLLAPSE_ARMS = (
+    "sync",
+    "off",
+    "product",
+    "constant",
+    "baseline",
+    "ess+baseline",
+    "geometric",
+    "calibrated",
+)
 #: Arms that scale the LR by ESS (paired against the constant-LR control too).
 ESS_ARMS = ("product", "geometric", "calibrated", "vcpo", "on")
-#: Chosen with ``benchmarks/collapse_select.py`` (see the module docstring).
+#: Chosen with ``benchmarks/collapse_select.py`` (see the module docstring): the first grid
+#: point (LR 1e-3, sort, seq-tis, k = 2) where the off run collapsed in both selection seeds
+#: (100, 101) and the sync run in neither.
 COLLAPSE: dict[str, Any] = {
     "dp": 1,
     "steps": 400,
     "staleness": "fixed",
     "rollout_workers": 1,
-    "task": "reverse",
+    "task": "sort",
     "loss": "seq-tis",
-    "lag": 8,
+    "lag": 2,
     "lr": 1e-3,
     "warmup": 10,
     "ess": EssLrConfig(weight_mode="product"),
@@ -71,8 +82,11 @@ COLLAPSE: dict[str, Any] = {
     "control_of": "product",
 }
 #: Supervised warm-start steps per task: reward about 0.5 from 0.06 at the start, entropy
-#: about 1 nat / token (measured on seeds 100, 101: sort 70 steps 0.48, reverse 80 steps ...).
+#: 1-2 nats / token (measured on seed 100 / 101 before the selection: sort 70 steps 0.50,
+#: entropy 1.11; reverse 80 steps 0.52 / 0.67, entropy 1.81 / 1.34).
 WARM_STEPS = {"sort": 70, "reverse": 80, "add": 150}
+#: The tables' descriptive "ended below its start" count: final < start - this.
+BELOW_START = 0.05
 QUICK = {"steps": 16, "lag": 2, "warmup": 2}
 RUNS_DIR = "runs"
 
@@ -231,6 +245,8 @@ def summarize(
             "final_mean": statistics.fmean(finals),
             "final_ci": stats.bootstrap_ci(finals) if len(finals) > 1 else (finals[0],) * 2,
             "collapsed": sum(v.collapsed for v in vs),
+            # descriptive, not the criterion: ended below where RL started it
+            "below_start": sum(v.final < v.start - BELOW_START for v in vs),
             "reasons": sorted({x for v in vs for x in v.reasons}),
             "median_onset": statistics.median(onsets) if onsets else None,
             "mean_lr_scale": statistics.fmean(_mean_scale(r) for r in recs),
@@ -244,6 +260,8 @@ def summarize(
     pairs = [(a, "off") for a in arms if a != "off" and "off" in arms]
     if "constant" in arms:
         pairs += [(a, "constant") for a in arms if a in ESS_ARMS or "baseline" in a]
+    if "ess+baseline" in arms and "baseline" in arms:
+        pairs.append(("ess+baseline", "baseline"))
     paired = []
     if len(seeds) > 1:
         for arm, base in pairs:
@@ -274,8 +292,9 @@ def format_tables(summary: dict[str, Any]) -> str:
     """Markdown tables: per arm, paired differences, early warning."""
     lines = [
         "| arm | start | peak | final reward (mean, 95% CI) | collapsed | median onset | "
-        "mean LR scale | mean rho | final entropy | max grad norm (median) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"ended below start - {BELOW_START:g} | mean LR scale | mean rho | final entropy | "
+        "max grad norm (median) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arm, a in summary["arms"].items():
         lo, hi = a["final_ci"]
@@ -284,6 +303,7 @@ def format_tables(summary: dict[str, Any]) -> str:
         lines.append(
             f"| {arm} | {a['start_mean']:.3f} | {a['peak_mean']:.3f} | {a['final_mean']:.3f} "
             f"[{lo:.3f}, {hi:.3f}] | {a['collapsed']}/{a['n']}{why} | {onset} | "
+            f"{a['below_start']}/{a['n']} | "
             f"{a['mean_lr_scale']:.3f} | {a['mean_rho']:.3f} | {a['final_entropy']:.3f} | "
             f"{a['max_grad_norm_median']:.3g} |"
         )
