@@ -123,6 +123,9 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
         "collapse: the adaptivity sweep over these lags (product against one constant LR)",
     )
     demo.add_argument(
+        "--lag-seeds", type=int, help="collapse: the adaptivity sweep on seeds 0..N-1 [--seeds]"
+    )
+    demo.add_argument(
         "--jobs", type=int, default=1, help="collapse: runs at a time (processes) [1]"
     )
     demo.add_argument(
@@ -491,7 +494,8 @@ def _run_collapse(args: argparse.Namespace) -> int:
         f"0..{seeds - 1} x arms {', '.join(cfg.arms)}; {args.jobs} job(s)"
         + (f"; then the adaptivity sweep over lags {args.lags}" if args.lags else "")
     )
-    sweep = len(args.lags or ()) * seeds * 2 + (seeds if args.lags else 0)
+    lag_seeds = min(args.lag_seeds or seeds, seeds)
+    sweep = len(args.lags or ()) * lag_seeds * 2 + (lag_seeds if args.lags else 0)
     bar = _progress((seeds * len(cfg.arms) + sweep) * cfg.steps, "step", args.no_progress)
 
     def on_run(seed: int, arm: str) -> None:
@@ -509,7 +513,7 @@ def _run_collapse(args: argparse.Namespace) -> int:
             adapt = collapse.run_adaptivity(
                 dataclasses.replace(cfg, arms=("product", "constant")),
                 out,
-                seeds=range(seeds),
+                seeds=range(lag_seeds),
                 lags=args.lags,
                 constant_scale=scale,
                 jobs=args.jobs,
