@@ -148,6 +148,7 @@ def test_progress_is_lines_when_not_a_terminal(capsys):
     assert all("\r" not in line for line in lines)
 
 
+@pytest.mark.slow  # 8 launches: about 40 s on an idle core, minutes under load
 def test_quick_collapse_run_through_the_cli(tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["demo", "--scenario", "collapse", "--quick", "--arms", "sync,off,product,constant"]
