@@ -77,9 +77,17 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--lr", type=float, help="peak learning rate (Adam) [1e-3]")
     demo.add_argument(
         "--loss",
-        choices=("tis", "sequence"),
+        choices=("tis", "sequence", "seq-tis"),
         help="tis: token-level truncated IS (miles/slime); sequence: sequence-level IS, "
-        "untruncated (VCPO's regime) [tis]",
+        "untruncated; seq-tis: VCPO's sequence-level truncated IS, min(exp(sum), "
+        "--is-threshold), no PPO clip [tis]",
+    )
+    demo.add_argument("--is-threshold", type=float, help="seq-tis: the truncation threshold c [8]")
+    demo.add_argument(
+        "--staleness",
+        choices=("mixed", "fixed"),
+        help="mixed: workers up to --lag updates behind; fixed: every rollout exactly --lag "
+        "updates behind, as a fully-async trainer (--scenario collapse) [mixed]",
     )
     demo.add_argument(
         "--arms",
@@ -96,18 +104,34 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     )
     demo.add_argument(
         "--scenario",
-        choices=("default", "stress", "weights"),
+        choices=("default", "stress", "weights", "collapse"),
         default="default",
-        help="stress: the regime chosen from the off arm alone (benchmarks/stress_select.py), "
+        help="collapse: VCPO's fully-async regime from a supervised warm start, every arm "
+        "judged against a synchronous run (benchmarks/collapse_select.py, docs/demo.md); "
+        "stress: the regime chosen from the off arm alone (benchmarks/stress_select.py), "
         "arms off / geometric / product / constant-LR control / vcpo over paired seeds; "
         "weights: rho and scale of geometric and product weights against response length, lag "
         "and train/rollout mismatch (docs/which-weights.md) [default: default]",
     )
-    demo.add_argument("--seeds", type=int, help="stress: paired seeds 0..N-1 [8; --quick: 2]")
+    demo.add_argument(
+        "--seeds", type=int, help="stress, collapse: paired seeds 0..N-1 [8; --quick: 2]"
+    )
     demo.add_argument(
         "--lags",
         type=_int_list,
-        help="stress: also sweep these max lags, e.g. 0,4,16,64 (final reward vs lag figure)",
+        help="stress: also sweep these max lags, e.g. 0,4,16,64 (final reward vs lag figure); "
+        "collapse: the adaptivity sweep over these lags (product against one constant LR)",
+    )
+    demo.add_argument(
+        "--lag-seeds", type=int, help="collapse: the adaptivity sweep on seeds 0..N-1 [--seeds]"
+    )
+    demo.add_argument(
+        "--jobs", type=int, default=1, help="collapse: runs at a time (processes) [1]"
+    )
+    demo.add_argument(
+        "--cache-dir",
+        type=Path,
+        help="collapse: warm-start cache [$ESS_PATCH_CACHE/warm-start or ~/.cache/ess-patch]",
     )
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.add_argument("-v", "--verbose", action="store_true", help="log progress details")
@@ -137,6 +161,8 @@ _DEMO_FIELDS = {
     "lr": "lr",
     "loss": "loss",
     "arms": "arms",
+    "is_threshold": "is_threshold",
+    "staleness": "staleness",
 }
 _FLAG_OF = {field: flag for flag, field in _DEMO_FIELDS.items()}
 
@@ -222,10 +248,11 @@ def _run_demo(args: argparse.Namespace) -> int:
         return _run_stress(args)
     if args.scenario == "weights":
         return _run_weights(args)
+    if args.scenario == "collapse":
+        return _run_collapse(args)
     if args.seeds is not None or args.lags is not None:
         print("ess-patch demo: --seeds and --lags need --scenario stress", file=sys.stderr)
         return 2
-    from tqdm import tqdm
 
     from .demo import DemoConfig, quick_config, run
     from .demo.launch import DemoError
@@ -258,12 +285,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         f"tokens, {cfg.loss} loss, {cfg.steps} steps per arm ({', '.join(cfg.arms)}), "
         f"{cfg.rollout_workers} rollout workers per DP rank, max lag {cfg.lag}"
     )
-    bar = tqdm(
-        total=cfg.steps * len(cfg.arms),
-        unit="step",
-        disable=args.no_progress,
-        dynamic_ncols=True,
-    )
+    bar = _progress(cfg.steps * len(cfg.arms), "step", args.no_progress)
 
     def on_step(arm: str, step: int) -> None:
         bar.set_description(f"ESS-LR {arm}", refresh=False)
@@ -297,8 +319,6 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _run_stress(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from .demo.launch import DemoError
     from .demo.stress import QUICK_STEPS, STRESS, run_stress, stress_config
     from .demo.train import DemoConfigError
@@ -352,12 +372,7 @@ def _run_stress(args: argparse.Namespace) -> int:
         f"{cfg.loss} loss, lr {cfg.lr:g}, max lag {', '.join(map(str, lags))}; "
         f"{seeds} paired seeds x arms {', '.join(cfg.arms)}"
     )
-    bar = tqdm(
-        total=len(lags) * seeds * len(cfg.arms) * cfg.steps,
-        unit="step",
-        disable=args.no_progress,
-        dynamic_ncols=True,
-    )
+    bar = _progress(len(lags) * seeds * len(cfg.arms) * cfg.steps, "step", args.no_progress)
 
     def on_step(lag: int, seed: int, arm: str, step: int) -> None:
         bar.set_description(f"lag {lag} seed {seed} {arm}", refresh=False)
@@ -379,6 +394,149 @@ def _run_stress(args: argparse.Namespace) -> int:
     )
     print(f"finished in {result.wall_s:.0f}s; outputs in {result.out_dir.resolve()}:")
     for path in (result.figure, result.table_path, result.steps_path, result.summary_path):
+        print(f"  {path.name}")
+    return 0
+
+
+class _Lines:
+    """Progress for a log file or CI: one line every :data:`STEP_PERCENT` percent."""
+
+    STEP_PERCENT = 5
+
+    def __init__(self, total: int, unit: str) -> None:
+        self.total, self.unit, self.n, self.shown, self.what = max(total, 1), unit, 0, -1, ""
+        self.t0 = datetime.datetime.now()
+
+    def set_description(self, what: str, refresh: bool = False) -> None:
+        self.what = what
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        pct = 100 * self.n // self.total
+        if pct // self.STEP_PERCENT > self.shown:
+            self.shown = pct // self.STEP_PERCENT
+            elapsed = (datetime.datetime.now() - self.t0).total_seconds()
+            print(
+                f"  {pct:3d}% {self.n}/{self.total} {self.unit}s, {elapsed:.0f}s  {self.what}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, unit: str, disable: bool) -> Any:
+    """A tqdm bar on a terminal; elsewhere (a log, CI) a line every few percent."""
+    if not disable and not sys.stderr.isatty():
+        return _Lines(total, unit)
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit=unit, disable=disable, dynamic_ncols=True)
+
+
+def _run_collapse(args: argparse.Namespace) -> int:
+    """``ess-patch demo --scenario collapse``: parse, run :mod:`ess_patch.demo.collapse`, print."""
+    import dataclasses
+
+    from .demo import collapse
+    from .demo.launch import DemoError
+    from .demo.train import DemoConfigError
+
+    refused = [f"--{n}" for n in ("seed", "dp", "tp", "pp", "cp", "workers") if getattr(args, n)]
+    if refused:
+        print(
+            f"ess-patch demo --scenario collapse: {', '.join(refused)} do not apply (one rank "
+            "per run, one rollout stream, seeds 0..N-1 from --seeds); drop them",
+            file=sys.stderr,
+        )
+        return 2
+    options = _demo_options(
+        args,
+        "steps",
+        "lag",
+        "device",
+        "task",
+        "response_len",
+        "layers",
+        "lr",
+        "loss",
+        "arms",
+        "is_threshold",
+        "staleness",
+    )
+    if args.quick:
+        options = {**collapse.QUICK, **options}
+    seeds = args.seeds if args.seeds is not None else (2 if args.quick else 8)
+    try:
+        options["ess"] = _ess_settings(args, weight_mode="product")
+        cfg = collapse.collapse_config(**options)
+        if seeds < 2 or args.jobs < 1:
+            raise ValueError(f"--seeds {seeds} --jobs {args.jobs}: give >= 2 seeds, >= 1 job")
+    except DemoConfigError as exc:
+        print(
+            f"ess-patch demo: {_flag(exc.field)} {exc.problem} (got {exc.value})", file=sys.stderr
+        )
+        return 2
+    except ValueError as exc:
+        print(f"ess-patch demo: {exc}", file=sys.stderr)
+        return 2
+    out = args.out
+    if out is None:
+        out = Path("ess-demo-out") / datetime.datetime.now().strftime("collapse-%Y%m%d-%H%M%S")
+    problem = _out_problem(out)
+    if problem:
+        print(f"ess-patch demo: {problem}", file=sys.stderr)
+        return 2
+    print(
+        f"ess-patch demo --scenario collapse: {cfg.task} x{cfg.response_len}, {cfg.loss} loss, "
+        f"lr {cfg.lr:g}, every rollout {cfg.lag} updates stale, {cfg.steps} steps; seeds "
+        f"0..{seeds - 1} x arms {', '.join(cfg.arms)}; {args.jobs} job(s)"
+        + (f"; then the adaptivity sweep over lags {args.lags}" if args.lags else "")
+    )
+    lag_seeds = min(args.lag_seeds or seeds, seeds)
+    sweep = len(args.lags or ()) * lag_seeds * 2 + (lag_seeds if args.lags else 0)
+    bar = _progress((seeds * len(cfg.arms) + sweep) * cfg.steps, "step", args.no_progress)
+
+    def on_run(seed: int, arm: str) -> None:
+        bar.set_description(f"seed {seed} {arm} done")
+        bar.update(cfg.steps)
+
+    try:
+        result = collapse.run_collapse(
+            cfg, out, seeds=range(seeds), jobs=args.jobs, cache_dir=args.cache_dir, on_run=on_run
+        )
+        files = list(result.files)
+        tables = [result.table]
+        if args.lags:
+            scale = result.summary["arms"][cfg.control_of]["mean_lr_scale"]
+            adapt = collapse.run_adaptivity(
+                dataclasses.replace(cfg, arms=("product", "constant")),
+                out,
+                seeds=range(lag_seeds),
+                lags=args.lags,
+                constant_scale=scale,
+                jobs=args.jobs,
+                cache_dir=args.cache_dir,
+                on_run=on_run,
+            )
+            files += adapt.files
+            tables.append(adapt.table)
+    except DemoError as exc:
+        bar.close()
+        print(str(exc), file=sys.stderr)
+        return 1
+    bar.close()
+    print()
+    print("\n\n".join(tables))
+    print()
+    print(
+        "final = smoothed reward (20-step mean) at the end; collapsed: judged against the same "
+        "seed's sync run (ess_patch/demo/criterion.py); constant = the same seed's product "
+        "mean scale (adaptivity: one scale, product's mean over seeds at the scenario's lag)"
+    )
+    print(f"finished in {result.wall_s:.0f}s; outputs in {out.resolve()}:")
+    for path in files:
         print(f"  {path.name}")
     return 0
 
@@ -431,8 +589,6 @@ _WEIGHTS_OPTIONS = ("command", "func", "scenario", "seed", "out", "quick", "no_p
 
 def _run_weights(args: argparse.Namespace) -> int:
     """``ess-patch demo --scenario weights`` (the CLI's parsed ``args``)."""
-    from tqdm import tqdm
-
     from .demo.weights import WeightsConfig, quick_weights_config, run_weights
 
     # the training scenarios' settings mean nothing here: say so rather than ignore them
@@ -469,7 +625,7 @@ def _run_weights(args: argparse.Namespace) -> int:
 
     def progress(total: int) -> Callable[[str], None]:
         nonlocal bar
-        bar = tqdm(total=total, unit="batch", disable=args.no_progress, dynamic_ncols=True)
+        bar = _progress(total, "batch", args.no_progress)
 
         def tick(what: str) -> None:
             bar.set_description(what, refresh=False)

@@ -304,7 +304,7 @@ def test_bad_configs_name_the_field():
 
     cases = [
         ({"arms": ("off", "constant", "product")}, "arms", "which must come before it"),
-        ({"loss": "tokens"}, "loss", "give one of ('tis', 'sequence')"),
+        ({"loss": "tokens"}, "loss", "give one of ('tis', 'sequence', 'seq-tis')"),
         ({"cp": 2}, "cp", "Transformer Engine"),
         ({"response_len": 0}, "response_len", "[1, 256]"),
         ({"tp": 3}, "tp", "vocabulary"),

@@ -63,18 +63,40 @@ from .policy import (
     train_inputs,
 )
 
-__all__ = ["ARMS", "DemoConfig", "DemoConfigError", "run_rank", "worker_lags"]
+__all__ = ["ARMS", "DemoConfig", "DemoConfigError", "rollout_lags", "run_rank", "worker_lags"]
 
 logger = logging.getLogger(__name__)
 
 #: "off": never armed; "on": ESS-LR with ``ess``; "geometric" / "product": ESS-LR with
 #: that weight mode; "vcpo": VCPO's rule (product weights, sqrt, one scale per optimizer
-#: step, no floor); "constant": armed every step with one fixed scale, the mean scale of
-#: the ``control_of`` arm in the same run (a smaller LR that does not look at staleness).
-ARMS = ("off", "on", "geometric", "product", "vcpo", "constant")
+#: step, no floor); "constant": armed every step with one fixed scale, ``constant_scale``
+#: if set, else the mean scale of the ``control_of`` arm in the same run (a smaller LR that
+#: does not look at staleness); "sync": the "off" arm with every rollout fresh (lag 0, the
+#: synchronous reference); "calibrated": product weights with ``calibrate_rollouts``;
+#: "baseline": never armed, VCPO's minimum-variance off-policy baseline in place of the group
+#: mean (:mod:`ess_patch.demo.opob`); "ess+baseline": that baseline and the "product" arm's
+#: ESS-LR (VCPO as published: both halves).
+ARMS = (
+    "off",
+    "on",
+    "geometric",
+    "product",
+    "vcpo",
+    "constant",
+    "sync",
+    "calibrated",
+    "baseline",
+    "ess+baseline",
+)
+#: The arms whose advantage is ``R - b*`` (VCPO's baseline) instead of the group mean's.
+BASELINE_ARMS = ("baseline", "ess+baseline")
 DEFAULT_ARMS = ("off", "geometric", "product")
 #: The policy-gradient losses (see the module docstring).
-LOSSES = ("tis", "sequence")
+LOSSES = ("tis", "sequence", "seq-tis")
+#: How stale the rollouts are: "mixed": workers pulling at different periods (up to ``lag``
+#: behind, see :func:`worker_lags`); "fixed": every rollout exactly ``lag`` updates behind
+#: (a fully-async trainer at steady state; the first ``lag`` steps use the initial weights).
+STALENESS = ("mixed", "fixed")
 #: "No floor" for the vcpo arm: EssLrConfig wants a floor > 0, and rho >= 1/B keeps the
 #: sqrt rule's scale >= 1/sqrt(B * base_ratio), far above this: it never binds.
 VCPO_FLOOR = 1e-9
@@ -124,6 +146,16 @@ class DemoConfig:
     loss: str = "tis"
     tis_clip: float = 2.0
     control_of: str = "product"
+    staleness: str = "mixed"
+    #: seq-tis: VCPO's truncation threshold c of the sequence weight min(exp(sum), c).
+    is_threshold: float = 8.0
+    #: The policy's initial weights: a whole-model (TP = PP = 1) state dict saved by
+    #: :mod:`ess_patch.demo.warm_start` (loaded with ``weights_only=True``); None: from the seed.
+    init_weights: str | None = None
+    #: The "constant" arm's scale; None: the mean scale of ``control_of`` in the same run.
+    constant_scale: float | None = None
+    #: The "calibrated" arm's ``calibrate_rollouts``.
+    calibration_rollouts: int = 10
     #: False: ess-patch is never installed, nothing of it is called (the bit-identity check
     #: of the "off" arm against a run without ess-patch).
     install_ess: bool = True
@@ -197,6 +229,14 @@ class DemoConfig:
             )
         if self.loss not in LOSSES:
             raise DemoConfigError("loss", self.loss, f"give one of {LOSSES}")
+        if self.staleness not in STALENESS:
+            raise DemoConfigError("staleness", self.staleness, f"give one of {STALENESS}")
+        if not self.is_threshold > 0:
+            raise DemoConfigError("is_threshold", self.is_threshold, "must be > 0")
+        if self.constant_scale is not None and not 0 < self.constant_scale <= 1:
+            raise DemoConfigError("constant_scale", self.constant_scale, "must be in (0, 1]")
+        if self.calibration_rollouts < 1:
+            raise DemoConfigError("calibration_rollouts", self.calibration_rollouts, "must be >= 1")
         if not self.tis_clip > 0:
             raise DemoConfigError("tis_clip", self.tis_clip, "must be > 0")
         if self.control_of not in ("on", "geometric", "product", "vcpo"):
@@ -205,6 +245,7 @@ class DemoConfig:
             )
         if (
             "constant" in self.arms
+            and self.constant_scale is None
             and self.control_of not in self.arms[: self.arms.index("constant")]
         ):
             raise DemoConfigError(
@@ -238,6 +279,12 @@ class DemoConfig:
         """The ESS-LR config of an arm (its own weight mode, VCPO's rule for "vcpo")."""
         if arm_name in ("geometric", "product"):
             return replace(self.ess, weight_mode=arm_name)
+        if arm_name == "ess+baseline":
+            return replace(self.ess, weight_mode="product")
+        if arm_name == "calibrated":
+            return replace(
+                self.ess, weight_mode="product", calibrate_rollouts=self.calibration_rollouts
+            )
         if arm_name == "vcpo":
             return replace(
                 self.ess, weight_mode="product", rule="sqrt", floor=VCPO_FLOOR, granularity="step"
@@ -246,6 +293,13 @@ class DemoConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def rollout_lags(cfg: DemoConfig, step: int, lag: int) -> list[int]:
+    """Each rollout worker's staleness at ``step`` under ``cfg.staleness`` (max ``lag``)."""
+    if cfg.staleness == "fixed":
+        return [min(step, lag)] * cfg.rollout_workers
+    return worker_lags(step, cfg.rollout_workers, lag)
 
 
 def worker_lags(step: int, workers: int, max_lag: int) -> list[int]:
@@ -336,7 +390,11 @@ def _build(cfg: DemoConfig):
     # The whole model first, from the seed, then this stage's slice of it: every pipeline
     # layout starts from the same weights as pp=1 (a stage alone would draw its layers from
     # another point of the RNG stream).
-    whole = build_policy(cfg.spec, tp=cfg.tp, pp=1, device=cfg.device) if cfg.pp > 1 else None
+    whole = (
+        build_policy(cfg.spec, tp=cfg.tp, pp=1, device=cfg.device)
+        if cfg.pp > 1 and cfg.init_weights is None
+        else None
+    )
     model = build_policy(
         cfg.spec,
         tp=cfg.tp,
@@ -356,6 +414,8 @@ def _build(cfg: DemoConfig):
             {mine: source[name] for mine, name in zip(local, names, strict=True)}, strict=True
         )
     del whole
+    if cfg.init_weights is not None:
+        _load_init(model, cfg)
     ddp = DistributedDataParallel(
         model.config,
         DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False),
@@ -388,6 +448,39 @@ def _build(cfg: DemoConfig):
         wd_incr_style="constant",
     )
     return model, ddp, optimizer, scheduler
+
+
+def _load_init(model: Any, cfg: DemoConfig) -> None:
+    """Load ``cfg.init_weights`` (whole model, TP = 1) into this rank's stage and TP shard.
+
+    A tensor-parallel parameter is the whole one cut into ``tp`` equal slices along the one
+    dimension whose size differs (megatron's QKV rows are grouped per query group, so a
+    contiguous slice is this rank's heads); this rank takes its slice.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    source = torch.load(cfg.init_weights, map_location="cpu", weights_only=True)
+    local = model.state_dict()
+    names = global_weights(model, get_transformer_layer_offset(model.config))
+    rank, out = ps.get_tensor_model_parallel_rank(), {}
+    for mine, name in zip(local, names, strict=True):
+        if not isinstance(local[mine], torch.Tensor):
+            out[mine] = local[mine]
+            continue
+        if name not in source:
+            raise ValueError(f"init_weights {cfg.init_weights}: no {name!r} (another model?)")
+        value = source[name]
+        dims = [d for d, (a, b) in enumerate(zip(local[mine].shape, value.shape)) if a != b]
+        if dims:
+            if len(dims) != 1 or value.shape[dims[0]] != local[mine].shape[dims[0]] * cfg.tp:
+                raise ValueError(
+                    f"init_weights {cfg.init_weights}: {name!r} has shape "
+                    f"{tuple(value.shape)}, this rank's {tuple(local[mine].shape)} (tp={cfg.tp})"
+                )
+            value = value.chunk(cfg.tp, dim=dims[0])[rank]
+        out[mine] = value.to(local[mine].device, local[mine].dtype)
+    model.load_state_dict(out, strict=True)
 
 
 def _publish(model: Any, lay: _Layout, cfg: DemoConfig) -> dict[str, Any]:
@@ -425,7 +518,7 @@ class _Rollout:
 
 
 def _sample(
-    cfg: DemoConfig, engine: RolloutEngine, versions: deque, step: int, lay: _Layout
+    cfg: DemoConfig, engine: RolloutEngine, versions: deque, step: int, lay: _Layout, lag: int
 ) -> _Rollout:
     """This DP rank's rollout: each worker samples its prompts' groups from its weights."""
     device = cfg.device
@@ -435,7 +528,7 @@ def _sample(
     n = cfg.response_len
     prompt_gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + step) * 1013 + lay.dp_rank)
     prompts = task_mod.make_prompts(cfg.task, n, cfg.prompts_per_rank, prompt_gen).to(device)
-    lags_by_worker = worker_lags(step, cfg.rollout_workers, cfg.lag)
+    lags_by_worker = rollout_lags(cfg, step, lag)
     owner = torch.arange(cfg.prompts_per_rank) % cfg.rollout_workers
     rows = cfg.rollouts_per_rank
     tokens = torch.empty(rows, n, dtype=torch.long, device=device)
@@ -471,11 +564,18 @@ def _loss(cfg: DemoConfig, batch: dict[str, torch.Tensor], stash: list, logits: 
         seq = log_ratio.sum(dim=1, keepdim=True)
         weight = torch.exp(seq.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
         clamped = (seq.abs() > MAX_LOG_RATIO).sum()
+    elif cfg.loss == "seq-tis":  # VCPO: min(exp(sum), c) for every token, no PPO clip
+        seq = log_ratio.sum(dim=1, keepdim=True)
+        weight = torch.exp(seq.clamp(max=math.log(cfg.is_threshold)))
+        clamped = (seq > math.log(cfg.is_threshold)).sum()
     else:  # miles/slime TIS: truncated per-token weight, no gradient through it
         weight = torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO)).clamp(max=cfg.tis_clip)
         clamped = (log_ratio > MAX_LOG_RATIO).sum()
     loss = -(adv * weight * logp).mean()
-    return loss, {"loss": loss.detach(), "clamped": clamped}
+    with torch.no_grad():  # the trainer's per-token entropy on the response positions
+        lsm = torch.log_softmax(logits[:, -logp.shape[1] :].detach().float(), dim=-1)
+        entropy = -(lsm.exp() * lsm).sum(dim=-1).sum()
+    return loss, {"loss": loss.detach(), "clamped": clamped, "entropy": entropy}
 
 
 def _shim(cfg: DemoConfig) -> Any:
@@ -514,6 +614,18 @@ def _train_arm(
         engine = RolloutEngine(cfg.spec, tp=cfg.tp, device=cfg.device)
     lay = _Layout.current(model.config)
     last = ps.is_pipeline_last_stage()
+    glue = None
+    if arm_name in BASELINE_ARMS:
+        from .opob import BaselineGlue
+
+        glue = BaselineGlue(
+            model,
+            ddp,
+            tp_group=ps.get_tensor_model_parallel_group(),
+            pp_group=lay.pp_group,
+            dp_group=lay.dp_group,
+        )
+        group_ids = torch.arange(cfg.prompts_per_rank).repeat_interleave(cfg.group_size)
     writer = is_writer(cfg, lay)
 
     applied: list[float] = []
@@ -526,9 +638,12 @@ def _train_arm(
         for leaf in getattr(optimizer, "chained_optimizers", [optimizer])
     ]
     ess_config = cfg.ess_config(arm_name)
+    lag = 0 if arm_name == "sync" else cfg.lag
+    if arm_name == "constant" and cfg.constant_scale is not None:
+        constant = cfg.constant_scale
     calibration.restart()  # each arm is a run of its own (calibrate_rollouts)
     scales: list[float] = []
-    versions: deque[dict[str, Any]] = deque([_publish(model, lay, cfg)], maxlen=cfg.lag + 1)
+    versions: deque[dict[str, Any]] = deque([_publish(model, lay, cfg)], maxlen=lag + 1)
     forward_backward = get_forward_backward_func()
     n, mb = cfg.response_len, cfg.rollouts_per_rank // cfg.microbatches
     seq_len = task_mod.prompt_length(cfg.task, n) + n - 1
@@ -537,17 +652,19 @@ def _train_arm(
     for step in range(cfg.steps):
         t0 = time.perf_counter()
         with shim():
-            roll = _sample(cfg, engine, versions, step, lay)
+            roll = _sample(cfg, engine, versions, step, lay, lag)
         t1, c1 = time.perf_counter(), time.thread_time()
 
         ids, pos = train_inputs(roll.prompts, roll.tokens)
+        # the baseline arms' loss has advantage 1: the glue rewrites it to R - b* in finalize
+        adv = torch.ones_like(roll.advantages) if glue else roll.advantages
         micro = [
             {
                 "input_ids": ids[i : i + mb],
                 "position_ids": pos[i : i + mb],
                 "tokens": roll.tokens[i : i + mb],
                 "rollout_logp": roll.logp[i : i + mb],
-                "advantages": roll.advantages[i : i + mb].to(cfg.device),
+                "advantages": adv[i : i + mb].to(cfg.device),
             }
             for i in range(0, cfg.rollouts_per_rank, mb)
         ]
@@ -556,6 +673,8 @@ def _train_arm(
 
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
+        if glue is not None:
+            glue.begin(roll.rewards, group_ids)
         with shim():
             losses = forward_backward(
                 forward_step_func=forward_step,
@@ -579,7 +698,7 @@ def _train_arm(
                 dp_group=lay.dp_group,
                 pp_group=lay.pp_group,
             )
-            if arm_name == "off":
+            if arm_name in ("off", "sync", "baseline"):
                 disarm()
                 scales.append(1.0)
             elif arm_name == "constant":
@@ -603,6 +722,8 @@ def _train_arm(
         t5 = time.perf_counter()
 
         stats = _step_stats(cfg, logp, roll, losses, lay) if last else None
+        # every rank: the glue's metrics are averaged over DP (a collective)
+        baseline_metrics = glue.metrics() if glue is not None else {}
         if writer:
             assert stats is not None
             rec = {
@@ -612,6 +733,7 @@ def _train_arm(
                 "rho": rho,
                 "ess": ess,
                 "num_trajectories": cfg.rollouts_per_rank * cfg.dp,
+                "lag_max": lag,
                 "lr_scale": scales[-1],
                 "scheduled_lr": scheduled[0],
                 "applied_lr": applied[0] if applied else math.nan,
@@ -627,6 +749,7 @@ def _train_arm(
                 "cpu_train_s": (c2 - c1) + (c4 - c3),
                 "cpu_ess_s": c3 - c2,
             }
+            rec.update({f"opob_{k}": v for k, v in baseline_metrics.items()})
             if step == cfg.steps - 1:
                 rec["weights_sha256"] = _digest(versions[-1])
             records.append(rec)
@@ -634,6 +757,8 @@ def _train_arm(
                 progress.put((arm_name, step))
     for hook in hooks:
         hook.remove()
+    if glue is not None:
+        glue.remove()
     if cfg.install_ess:
         disarm()
     return records, scales, writer
@@ -643,7 +768,11 @@ def _step_stats(
     cfg: DemoConfig, logp: torch.Tensor, roll: _Rollout, losses: Any, lay: _Layout
 ) -> dict[str, float]:
     """Reward, lag, loss and train/rollout mismatch over the global batch (all DP ranks)."""
-    diff = (logp - roll.logp).abs().double()
+    log_ratio = (logp - roll.logp).double()  # log(policy / rollout) per token
+    diff = log_ratio.abs()
+    # KL(rollout || policy) per token from the rollout's own samples: k1 = E[-log r] and
+    # the nonnegative k3 = E[r - 1 - log r], r = policy / rollout
+    r = log_ratio.clamp(max=MAX_LOG_RATIO)
     fresh = (roll.lags == 0).to(diff.device)
     clamped = sum(float(x["clamped"]) for x in losses)
     sums = torch.tensor(
@@ -657,13 +786,18 @@ def _step_stats(
             float(roll.rewards.numel()),
             sum(float(x["loss"]) for x in losses),
             clamped,
+            sum(float(x["entropy"]) for x in losses),
+            (-log_ratio).sum().item(),
+            (r.exp() - 1 - r).sum().item(),
         ],
         dtype=torch.float64,
         device=diff.device,
     )
     if cfg.dp > 1:
         dist.all_reduce(sums, group=lay.dp_group)
-    abs_sum, count, fresh_sum, fresh_count, reward, lag, rows, loss, clamped = sums.tolist()
+    (abs_sum, count, fresh_sum, fresh_count, reward, lag, rows, loss, clamped, ent, k1, k3) = (
+        sums.tolist()
+    )
     return {
         "reward": reward / rows,
         "mean_lag": lag / rows,
@@ -671,4 +805,7 @@ def _step_stats(
         "mismatch_lag0": fresh_sum / fresh_count if fresh_count else math.nan,
         "loss": loss / (cfg.dp * cfg.microbatches),
         "clamped": int(clamped),
+        "entropy": ent / count,
+        "kl_k1": k1 / count,
+        "kl": k3 / count,
     }
