@@ -722,7 +722,7 @@ def _train_arm(
         t5 = time.perf_counter()
 
         stats = _step_stats(cfg, logp, roll, losses, lay) if last else None
-        # every rank: the glue's metrics are averaged over DP (a collective)
+        # the glue averaged its metrics over DP inside finalize; reading them is local
         baseline_metrics = glue.metrics() if glue is not None else {}
         if writer:
             assert stats is not None
