@@ -11,6 +11,10 @@ environment variable and imports nothing.
 The value is ``1``/``true``/``yes``/``on`` (install the integrations named by
 ``ESS_PATCH_INTEGRATIONS``, default all) or a comma-separated list of integration names.
 
+``ESS_LR_ENABLE`` (verl's request for ESS-LR, set through Ray's ``runtime_env``) in a process's
+environment is a request too: a verl worker that was given it without the auto-install variable
+is patched, so its hooks apply the scale or refuse, instead of training unscaled.
+
 ``--use-ess-lr`` (or ``--ess-lr-shadow``) on a process's own command line is a request too: the
 ``.pth`` installs then as with ``ESS_PATCH_AUTO_INSTALL=1``. A driver that forgot
 ``install()`` would otherwise hand them to a parser that drops unknown arguments without a
@@ -26,6 +30,7 @@ import os
 
 from .guard import AUTO_INSTALL as ENV
 from .guard import auto_install_requested as requested
+from .integrations.verl_settings import ENV_ENABLE, enable_requested
 
 __all__ = ["ENV", "FLAGS", "megatron_init", "requested", "requested_by_argv", "run"]
 
@@ -63,6 +68,10 @@ def run() -> bool:
         wanted = ""
         raw = "(--use-ess-lr on the command line)"
         logger.info("ess-patch: installing: ESS-LR is requested on this command line")
+    if wanted is None and enable_requested():
+        wanted = ""
+        raw = f"(unset; {ENV_ENABLE} is on)"
+        logger.info("ess-patch: installing: %s asks for ESS-LR in this process", ENV_ENABLE)
     if wanted is None:
         return False
     if INSTALLATION.autoinstall is not None:

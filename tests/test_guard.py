@@ -233,3 +233,15 @@ def test_use_ess_lr_on_the_command_line_installs_through_the_pth(fresh_python):
     assert on["error"] is None and on["param"] == pytest.approx(0.9)  # nothing armed yet
     off = fresh_python(PTH_LINE.format(argv=["train.py", "--lr", "1"], pth=pth), base).result
     assert off["installed"] is False and off["autoinstall"] is None
+
+
+@pytest.mark.parametrize(("value", "installed"), [("1", True), ("0", False)])
+def test_verl_s_enable_variable_installs_through_the_pth(fresh_python, value, installed):
+    """A verl worker given ESS_LR_ENABLE=1 (runtime_env) without ESS_PATCH_AUTO_INSTALL: 0.3.0
+    left it unpatched, so it trained unscaled; now the .pth installs ess-patch there."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("ESS_")}
+    pth = str(ROOT / "ess_patch-autoinstall.pth")
+    code = PTH_LINE.format(argv=["worker.py"], pth=pth)
+    out = fresh_python(code, {**base, "ESS_LR_ENABLE": value}, timeout=120).result
+    assert out["installed"] is installed
+    assert out["autoinstall"] == ("installed" if installed else None)
