@@ -125,9 +125,8 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument(
         "--lag-seeds", type=int, help="collapse: the adaptivity sweep on seeds 0..N-1 [--seeds]"
     )
-    demo.add_argument(
-        "--jobs", type=int, default=1, help="collapse: runs at a time (processes) [1]"
-    )
+    # default None, not 1: the weights scenario refuses every option given to it
+    demo.add_argument("--jobs", type=int, help="collapse: runs at a time (processes) [1]")
     demo.add_argument(
         "--cache-dir",
         type=Path,
@@ -468,6 +467,7 @@ def _run_collapse(args: argparse.Namespace) -> int:
     if args.quick:
         options = {**collapse.QUICK, **options}
     seeds = args.seeds if args.seeds is not None else (2 if args.quick else 8)
+    args.jobs = 1 if args.jobs is None else args.jobs
     try:
         options["ess"] = _ess_settings(args, weight_mode="product")
         cfg = collapse.collapse_config(**options)
