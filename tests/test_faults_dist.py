@@ -233,8 +233,13 @@ def test_every_fault_reaches_every_rank(tmp_path, dp, cp, pp):
         for fault in FAULTS:
             case = (faulty, fault)
             if fault == "all_none" and cp == 1 and _is_last_stage(faulty, lay):
-                # without CP peers a rank with no inputs is "missing": a no-op everywhere
-                assert {r[case][1] for r in results} == {"missing"}, [r[case] for r in results]
+                # without CP peers a rank with no inputs makes the rollout "missing": ESS-LR
+                # was requested and cannot be measured, so every rank stops (fail closed, since
+                # 0.4.0; 0.3.0 trained that rollout unscaled), with nothing left armed
+                assert {r[case][0] for r in results} == {"EssLrNotAppliedError"}, [
+                    r[case] for r in results
+                ]
+                assert {r[case][3] for r in results} == {None}, case
                 continue
             if _no_fault(fault, faulty, lay):
                 assert {r[case][:2] for r in results} == {(None, "ok")}, [r[case] for r in results]
