@@ -3,7 +3,8 @@
     python tests/patches_twin.py --mode monkeypatch|vendored --out FILE
 
 ``monkeypatch``: the installed megatron-core with ``ess_patch.install("megatron")``.
-``plain``: the installed megatron-core, nothing installed (the control: arming does nothing).
+``plain``: the installed megatron-core, nothing installed (the control: under the opt-out
+``ESS_PATCH_ALLOW_UNSCALED=1`` arming does nothing; without it the first armed step stops).
 ``vendored``: a megatron-core copy patched with ``patches/`` first on PYTHONPATH, no
 ``install()``; every target must carry the diff's call site. tests/test_patches.py runs both
 in fresh processes and compares the two files byte for byte.
