@@ -37,6 +37,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .report import smooth as trailing_mean
+
 __all__ = [
     "Verdict",
     "WarningScore",
@@ -70,14 +72,7 @@ def window(steps: int) -> int:
 def smooth(values: Sequence[float], w: int | None = None) -> list[float]:
     """Trailing moving average over ``w`` steps (shorter at the start; default
     :func:`window` of the length)."""
-    w = window(len(values)) if w is None else w
-    out, acc = [], 0.0
-    for i, v in enumerate(values):
-        acc += v
-        if i >= w:
-            acc -= values[i - w]
-        out.append(acc / min(i + 1, w))
-    return out
+    return trailing_mean(values, window(len(values)) if w is None else w)
 
 
 @dataclass(frozen=True)
