@@ -193,6 +193,20 @@ def _install_hint(extra: str) -> str:
     return f"pip install -e '.[{extra}]' from an ess-patch checkout"
 
 
+def _refused(exc: ValueError) -> int:
+    """Print a demo setting's error, naming the flag the user typed (not the dataclass field)
+    for a ``DemoConfigError``; returns the exit status 2."""
+    from .demo.train import DemoConfigError
+
+    if isinstance(exc, DemoConfigError):
+        print(
+            f"ess-patch demo: {_flag(exc.field)} {exc.problem} (got {exc.value})", file=sys.stderr
+        )
+    else:
+        print(f"ess-patch demo: {exc}", file=sys.stderr)
+    return 2
+
+
 def _flag(field: str) -> str:
     return "--" + _FLAG_OF.get(field, field).replace("_", "-")
 
@@ -261,15 +275,11 @@ def _run_demo(args: argparse.Namespace) -> int:
     try:
         options["ess"] = _ess_settings(args)
     except ValueError as exc:
-        print(f"ess-patch demo: {exc}", file=sys.stderr)
-        return 2
+        return _refused(exc)
     try:
         cfg = quick_config(**options) if args.quick else DemoConfig(**options)
-    except DemoConfigError as exc:  # name the flag the user typed, not the dataclass field
-        print(
-            f"ess-patch demo: {_flag(exc.field)} {exc.problem} (got {exc.value})", file=sys.stderr
-        )
-        return 2
+    except DemoConfigError as exc:
+        return _refused(exc)
     out = args.out
     if out is None:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -320,7 +330,6 @@ def _run_demo(args: argparse.Namespace) -> int:
 def _run_stress(args: argparse.Namespace) -> int:
     from .demo.launch import DemoError
     from .demo.stress import QUICK_STEPS, STRESS, run_stress, stress_config
-    from .demo.train import DemoConfigError
 
     options = _demo_options(
         args, "steps", "lag", "workers", "dp", "tp", "pp", "cp", "device", "response_len"
@@ -353,14 +362,8 @@ def _run_stress(args: argparse.Namespace) -> int:
         cfg = stress_config(**options)
         if seeds < 2:
             raise ValueError(f"--seeds {seeds}: paired statistics need at least 2 seeds")
-    except DemoConfigError as exc:
-        print(
-            f"ess-patch demo: {_flag(exc.field)} {exc.problem} (got {exc.value})", file=sys.stderr
-        )
-        return 2
-    except ValueError as exc:
-        print(f"ess-patch demo: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:  # DemoConfigError included
+        return _refused(exc)
     lags = sorted({cfg.lag, *(args.lags or ())})
     out = args.out
     if out is None:
@@ -440,7 +443,6 @@ def _run_collapse(args: argparse.Namespace) -> int:
 
     from .demo import collapse
     from .demo.launch import DemoError
-    from .demo.train import DemoConfigError
 
     refused = [f"--{n}" for n in ("seed", "dp", "tp", "pp", "cp", "workers") if getattr(args, n)]
     if refused:
@@ -473,14 +475,8 @@ def _run_collapse(args: argparse.Namespace) -> int:
         cfg = collapse.collapse_config(**options)
         if seeds < 2 or args.jobs < 1:
             raise ValueError(f"--seeds {seeds} --jobs {args.jobs}: give >= 2 seeds, >= 1 job")
-    except DemoConfigError as exc:
-        print(
-            f"ess-patch demo: {_flag(exc.field)} {exc.problem} (got {exc.value})", file=sys.stderr
-        )
-        return 2
-    except ValueError as exc:
-        print(f"ess-patch demo: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:  # DemoConfigError included
+        return _refused(exc)
     out = args.out
     if out is None:
         out = Path("ess-demo-out") / datetime.datetime.now().strftime("collapse-%Y%m%d-%H%M%S")
