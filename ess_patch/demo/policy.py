@@ -49,7 +49,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -240,6 +240,35 @@ class RolloutEngine:
         temperature: float = 1.0,
     ) -> Rollout:
         """Sample ``response_len`` tokens after each prompt (all prompts the same length)."""
+
+        def draw(lp: torch.Tensor, t: int) -> torch.Tensor:
+            return torch.multinomial(lp.exp(), 1, generator=generator)
+
+        return self._decode(prompts, response_len, draw, temperature)
+
+    @torch.no_grad()
+    def score(
+        self, prompts: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0
+    ) -> Rollout:
+        """The engine's log-probs of given responses, teacher-forced through the same
+        KV-cache pass as :meth:`sample` (so a run can replay another run's tokens)."""
+        if tokens.shape[0] != prompts.shape[0]:
+            raise ValueError(
+                f"score: {tokens.shape[0]} responses for {prompts.shape[0]} prompts; give one each"
+            )
+
+        def forced(lp: torch.Tensor, t: int) -> torch.Tensor:
+            return tokens[:, t : t + 1].to(lp.device)
+
+        return self._decode(prompts, tokens.shape[1], forced, temperature)
+
+    def _decode(
+        self,
+        prompts: torch.Tensor,
+        response_len: int,
+        pick: Callable[[torch.Tensor, int], torch.Tensor],
+        temperature: float,
+    ) -> Rollout:
         from megatron.core.inference.contexts import StaticInferenceContext
 
         b, p = prompts.shape
@@ -259,7 +288,7 @@ class RolloutEngine:
             ctx.sequence_len_offset += step_in.shape[1]
             # the engine's logits are bf16; inference engines report fp32 log-softmax of them
             lp = torch.log_softmax(logits[:, -1].float() / temperature, dim=-1)
-            tok = torch.multinomial(lp.exp(), 1, generator=generator)
+            tok = pick(lp, t)
             tokens[:, t] = tok[:, 0]
             logp[:, t] = lp.gather(1, tok)[:, 0]
             step_in, pos = tok, _positions(b, ctx.sequence_len_offset, 1, prompts.device)

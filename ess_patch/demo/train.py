@@ -62,6 +62,7 @@ from .policy import (
     response_logprobs,
     train_inputs,
 )
+from .tape import TAPE_MODES, RolloutTape
 
 __all__ = ["ARMS", "DemoConfig", "DemoConfigError", "rollout_lags", "run_rank", "worker_lags"]
 
@@ -159,6 +160,11 @@ class DemoConfig:
     #: False: ess-patch is never installed, nothing of it is called (the bit-identity check
     #: of the "off" arm against a run without ess-patch).
     install_ess: bool = True
+    #: A directory of sampled tokens (:mod:`ess_patch.demo.tape`): ``tape_mode="record"``
+    #: writes each step's, ``"replay"`` scores another run's teacher-forced instead of
+    #: sampling (layouts compared on the same tokens); None: sample, record nothing.
+    rollout_tape: str | None = None
+    tape_mode: str = "record"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "arms", tuple(self.arms))
@@ -253,6 +259,12 @@ class DemoConfig:
                 self.arms,
                 f"the 'constant' arm copies the mean scale of control_of={self.control_of!r}, "
                 "which must come before it",
+            )
+        if self.tape_mode not in TAPE_MODES:
+            raise DemoConfigError("tape_mode", self.tape_mode, f"give one of {TAPE_MODES}")
+        if self.tape_mode == "replay" and not self.rollout_tape:
+            raise DemoConfigError(
+                "rollout_tape", self.rollout_tape, "tape_mode='replay' needs the tape's directory"
             )
         if not isinstance(self.ess, EssLrConfig):
             raise DemoConfigError("ess", self.ess, "must be an ess_patch.EssLrConfig")
@@ -518,9 +530,16 @@ class _Rollout:
 
 
 def _sample(
-    cfg: DemoConfig, engine: RolloutEngine, versions: deque, step: int, lay: _Layout, lag: int
+    cfg: DemoConfig,
+    engine: RolloutEngine,
+    versions: deque,
+    step: int,
+    lay: _Layout,
+    lag: int,
+    tape: RolloutTape | None = None,
 ) -> _Rollout:
-    """This DP rank's rollout: each worker samples its prompts' groups from its weights."""
+    """This DP rank's rollout: each worker samples its prompts' groups from its weights
+    (or, replaying a tape, scores the recorded tokens with them)."""
     device = cfg.device
     gen = torch.Generator(device=device).manual_seed(
         (cfg.seed * 1_000_003 + step) * 1009 + lay.dp_rank
@@ -536,6 +555,7 @@ def _sample(
     lags = torch.empty(rows, dtype=torch.long)
     expanded = prompts.repeat_interleave(cfg.group_size, dim=0)
     available = len(versions) - 1
+    replay = tape.tokens(step, (rows, n)).to(device) if tape and tape.replaying else None
     # workers whose weights are equally old hold the same weights: one engine pass for them
     for lag in sorted(set(lags_by_worker)):
         workers = [w for w, x in enumerate(lags_by_worker) if x == lag]
@@ -544,10 +564,15 @@ def _sample(
             continue
         idx = (mine[:, None] * cfg.group_size + torch.arange(cfg.group_size)).flatten()
         engine.load(versions[-1 - min(lag, available)])
-        out = engine.sample(expanded[idx.to(device)], n, gen)
+        if replay is None:
+            out = engine.sample(expanded[idx.to(device)], n, gen)
+        else:
+            out = engine.score(expanded[idx.to(device)], replay[idx.to(device)])
         tokens[idx.to(device)] = out.tokens
         logp[idx.to(device)] = out.logp
         lags[idx] = min(lag, available)
+    if tape is not None:
+        tape.record(step, tokens)
     r = task_mod.rewards(tokens, task_mod.targets(cfg.task, expanded, n))
     grouped = r.view(-1, cfg.group_size)
     adv = (grouped - grouped.mean(dim=1, keepdim=True)).flatten()
@@ -627,6 +652,17 @@ def _train_arm(
         )
         group_ids = torch.arange(cfg.prompts_per_rank).repeat_interleave(cfg.group_size)
     writer = is_writer(cfg, lay)
+    tape = (
+        RolloutTape(
+            cfg.rollout_tape,
+            cfg.tape_mode,
+            arm_name,
+            lay.dp_rank,
+            writes=lay.tp_rank == 0 and lay.pp_rank == 0,
+        )
+        if cfg.rollout_tape
+        else None
+    )
 
     applied: list[float] = []
 
@@ -652,7 +688,7 @@ def _train_arm(
     for step in range(cfg.steps):
         t0 = time.perf_counter()
         with shim():
-            roll = _sample(cfg, engine, versions, step, lay, lag)
+            roll = _sample(cfg, engine, versions, step, lay, lag, tape)
         t1, c1 = time.perf_counter(), time.thread_time()
 
         ids, pos = train_inputs(roll.prompts, roll.tokens)
