@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
         env = {**base, "ATEN_CPU_CAPABILITY": cap}
         got = _effective(env)
         if got in ran:
-            print(f"ATEN_CPU_CAPABILITY={cap}: torch runs {got} kernels, already tested", flush=True)
+            print(f"ATEN_CPU_CAPABILITY={cap}: torch runs {got} kernels, tested", flush=True)
             continue
         ran.add(got)
         print(f"ATEN_CPU_CAPABILITY={cap} (torch: {got}; this CPU's own: {native})", flush=True)
