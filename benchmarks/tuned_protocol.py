@@ -83,7 +83,8 @@ def main() -> None:
     sync = collapse.run_arms(base, ("sync",), seeds, args.work, jobs=args.jobs)
     sync_final = [_final(sync[s]["sync"]) for s in seeds]
     rows = [
-        "| k | arm | final reward (mean) | fraction of sync (95% CI) | fraction of oracle (95% CI) |",
+        "| k | arm | final reward (mean) | fraction of sync (95% CI) "
+        "| fraction of oracle (95% CI) |",
         "|---|---|---|---|---|",
     ]
     data: dict[str, dict] = {}
@@ -105,7 +106,7 @@ def main() -> None:
                 f"| {of_oracle} |"
             )
         data[str(lag)] = finals
-        say(rows[-len(finals) :][0] if finals else "")
+        say("\n".join(rows[-len(finals) :]))
     rows.append(f"| - | sync (lr {args.lr:g}) | {statistics.fmean(sync_final):.3f} | 1 | |")
     table = "\n".join(rows)
     say(table)
