@@ -85,9 +85,10 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--is-threshold", type=float, help="seq-tis: the truncation threshold c [8]")
     demo.add_argument(
         "--staleness",
-        choices=("mixed", "fixed"),
+        choices=("mixed", "fixed", "drift", "longtail"),
         help="mixed: workers up to --lag updates behind; fixed: every rollout exactly --lag "
-        "updates behind, as a fully-async trainer (--scenario collapse) [mixed]",
+        "updates behind, as a fully-async trainer (--scenario collapse); drift: 0 to --lag and "
+        "back every 100 steps; longtail: each step's lag drawn with P(k) ~ (k+1)^-2 [mixed]",
     )
     demo.add_argument(
         "--arms",

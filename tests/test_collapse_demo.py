@@ -65,6 +65,31 @@ def test_fixed_staleness_hand_values():
     assert rollout_lags(mixed, 10, 3) == [0, 3]  # worker_lags: periods 1, 4; (10 + 1) % 4 = 3
 
 
+def test_varying_staleness_hand_values():
+    from ess_patch.demo.staleness import DRIFT_PERIOD, step_lag
+    from ess_patch.demo.train import DemoConfig, rollout_lags
+
+    assert DRIFT_PERIOD == 100
+    # a triangle: 0 at step 0 (and 100, 200), 16 at step 50, 8 at 25 and 75; never staler
+    # than the step itself
+    drift = [step_lag("drift", s, 16, 0) for s in (0, 3, 25, 50, 75, 100, 150)]
+    assert drift == [0, 1, 8, 16, 8, 0, 16]
+    cfg = DemoConfig(staleness="drift", lag=16, rollout_workers=2)
+    assert rollout_lags(cfg, 50, 16) == [16, 16] and rollout_lags(cfg, 50, 0) == [0, 0]
+    # the long tail: P(k) ~ (k + 1)^-2 on 0..16: P(0) = 1 / sum = 0.62, P(k >= 8) = 0.068
+    lags = [step_lag("longtail", s, 16, 7) for s in range(20, 4020)]
+    assert all(0 <= k <= 16 for k in lags)
+    total = sum(1 / (k + 1) ** 2 for k in range(17))
+    assert lags.count(0) / len(lags) == pytest.approx(1 / total, abs=0.03)
+    tail = sum(1 / (k + 1) ** 2 for k in range(8, 17)) / total
+    assert sum(k >= 8 for k in lags) / len(lags) == pytest.approx(tail, abs=0.015)
+    # the same seed and step: the same lag in every arm; another seed: another sequence
+    assert lags == [step_lag("longtail", s, 16, 7) for s in range(20, 4020)]
+    assert lags != [step_lag("longtail", s, 16, 8) for s in range(20, 4020)]
+    with pytest.raises(ValueError, match="give one of"):
+        step_lag("sometimes", 3, 4, 0)
+
+
 def test_seq_tis_loss_against_a_float64_reference():
     from ess_patch.demo.train import DemoConfig, _loss
 

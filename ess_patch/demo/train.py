@@ -62,6 +62,7 @@ from .policy import (
     response_logprobs,
     train_inputs,
 )
+from .staleness import VARYING, step_lag
 from .tape import TAPE_MODES, RolloutTape
 
 __all__ = ["ARMS", "DemoConfig", "DemoConfigError", "rollout_lags", "run_rank", "worker_lags"]
@@ -97,7 +98,7 @@ LOSSES = ("tis", "sequence", "seq-tis")
 #: How stale the rollouts are: "mixed": workers pulling at different periods (up to ``lag``
 #: behind, see :func:`worker_lags`); "fixed": every rollout exactly ``lag`` updates behind
 #: (a fully-async trainer at steady state; the first ``lag`` steps use the initial weights).
-STALENESS = ("mixed", "fixed")
+STALENESS = ("mixed", "fixed", *VARYING)
 #: "No floor" for the vcpo arm: EssLrConfig wants a floor > 0, and rho >= 1/B keeps the
 #: sqrt rule's scale >= 1/sqrt(B * base_ratio), far above this: it never binds.
 VCPO_FLOOR = 1e-9
@@ -311,6 +312,8 @@ def rollout_lags(cfg: DemoConfig, step: int, lag: int) -> list[int]:
     """Each rollout worker's staleness at ``step`` under ``cfg.staleness`` (max ``lag``)."""
     if cfg.staleness == "fixed":
         return [min(step, lag)] * cfg.rollout_workers
+    if cfg.staleness in VARYING:
+        return [step_lag(cfg.staleness, step, lag, cfg.seed)] * cfg.rollout_workers
     return worker_lags(step, cfg.rollout_workers, lag)
 
 
