@@ -105,14 +105,17 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     )
     demo.add_argument(
         "--scenario",
-        choices=("default", "stress", "weights", "collapse"),
-        default="default",
-        help="collapse: VCPO's fully-async regime from a supervised warm start, every arm "
+        choices=("main", "mixed", "stress", "weights", "collapse"),
+        default="main",
+        help="main: the collapse scenario's question for one seed (an LR tuned synchronously, "
+        "every rollout 8 updates stale: sync, off, ESS-LR, ESS-LR + baseline; about 3 minutes "
+        "on 2 cores); mixed: dp=2, rollout workers up to --lag behind, arms off / geometric / "
+        "product; collapse: VCPO's fully-async regime from a supervised warm start, every arm "
         "judged against a synchronous run (benchmarks/collapse_select.py, docs/demo.md); "
         "stress: the regime chosen from the off arm alone (benchmarks/stress_select.py), "
         "arms off / geometric / product / constant-LR control / vcpo over paired seeds; "
         "weights: rho and scale of geometric and product weights against response length, lag "
-        "and train/rollout mismatch (docs/which-weights.md) [default: default]",
+        "and train/rollout mismatch (docs/which-weights.md) [main]",
     )
     demo.add_argument(
         "--seeds", type=int, help="stress, collapse: paired seeds 0..N-1 [8; --quick: 2]"
@@ -264,6 +267,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         return _run_weights(args)
     if args.scenario == "collapse":
         return _run_collapse(args)
+    if args.scenario == "main":
+        return _run_main(args)
     if args.seeds is not None or args.lags is not None:
         print("ess-patch demo: --seeds and --lags need --scenario stress", file=sys.stderr)
         return 2
@@ -436,6 +441,83 @@ def _progress(total: int, unit: str, disable: bool) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=total, unit=unit, disable=disable, dynamic_ncols=True)
+
+
+def _run_main(args: argparse.Namespace) -> int:
+    """``ess-patch demo`` (the main job): :mod:`ess_patch.demo.main_job`, one seed, printed."""
+    from .demo import main_job
+    from .demo.launch import DemoError
+
+    refused = [
+        f"--{n.replace('_', '-')}"
+        for n in ("dp", "tp", "pp", "cp", "workers", "seeds", "lags", "lag_seeds")
+        if getattr(args, n) is not None and getattr(args, n) is not False
+    ]
+    if refused:
+        print(
+            f"ess-patch demo: {', '.join(refused)} do not apply to the main job (one rank per "
+            "run, one seed: --seed); the 8-seed version is --scenario collapse: "
+            + main_job.EIGHT_SEEDS,
+            file=sys.stderr,
+        )
+        return 2
+    options = _demo_options(args, "steps", "lag", "device", "lr", "loss", "arms", "staleness")
+    if args.quick:
+        options = {**main_job.QUICK, **options}
+    jobs = 2 if args.jobs is None else args.jobs
+    seed = main_job.MAIN_SEED if args.seed is None else args.seed
+    try:
+        options["ess"] = _ess_settings(args, weight_mode="product")
+        cfg = main_job.main_config(**options)
+        if "sync" not in cfg.arms or jobs < 1:
+            raise ValueError(f"--arms {','.join(cfg.arms)} --jobs {jobs}: keep sync, >= 1 job")
+    except ValueError as exc:  # DemoConfigError included
+        return _refused(exc)
+    out = args.out
+    if out is None:
+        out = Path("ess-demo-out") / datetime.datetime.now().strftime("main-%Y%m%d-%H%M%S")
+    problem = _out_problem(out)
+    if problem:
+        print(f"ess-patch demo: {problem}", file=sys.stderr)
+        return 2
+    print(
+        f"ess-patch demo: LR {cfg.lr:g} (tuned on the synchronous arm), every rollout {cfg.lag} "
+        f"updates stale, {cfg.task} x{cfg.response_len}, {cfg.loss} loss, {cfg.steps} steps, "
+        f"seed {seed}, arms {', '.join(cfg.arms)}; {jobs} run(s) at a time"
+    )
+    bar = _progress(len(cfg.arms) * cfg.steps, "step", args.no_progress)
+
+    def on_run(_seed: int, arm: str) -> None:
+        bar.set_description(f"{arm} done")
+        bar.update(cfg.steps)
+
+    try:
+        result = main_job.run_main(
+            cfg, out, seed=seed, jobs=jobs, cache_dir=args.cache_dir, on_run=on_run
+        )
+    except DemoError as exc:
+        bar.close()
+        print(str(exc), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # the launcher has killed and joined the ranks on the way out
+        bar.close()
+        print(f"ess-patch demo: interrupted; partial outputs in {out}", file=sys.stderr)
+        return 130
+    bar.close()
+    print()
+    print(result.table)
+    print()
+    print(result.reading)
+    print(
+        "final = smoothed reward (20-step mean) at the end; collapsed: judged against the "
+        "sync run (ess_patch/demo/criterion.py); 8 seeds, with the per-lag oracle LR: "
+        "docs/demo.md. The same runs on 8 paired seeds:"
+    )
+    print(f"  {main_job.EIGHT_SEEDS}")
+    print(f"finished in {result.wall_s:.0f}s; outputs in {out.resolve()}:")
+    for path in result.files:
+        print(f"  {path.name}")
+    return 0
 
 
 def _run_collapse(args: argparse.Namespace) -> int:

@@ -47,7 +47,8 @@ def _demo_error(capsys, *argv: str) -> str:
 def test_config_errors_name_the_flag(capsys, tmp_path, monkeypatch, argv, expected):
     pytest.importorskip("megatron.core")
     monkeypatch.chdir(tmp_path)
-    err = _demo_error(capsys, *argv, "--out", str(tmp_path / "out"))
+    # the mixed scenario's layout flags (the main job refuses them: its own test below)
+    err = _demo_error(capsys, "--scenario", "mixed", *argv, "--out", str(tmp_path / "out"))
     assert err.startswith(expected), err
     assert "DemoConfig" not in err and "EssLrConfig" not in err
     assert not (tmp_path / "out").exists()  # nothing started, nothing written
@@ -142,7 +143,8 @@ def test_ctrl_c_exits_130_with_one_line_and_no_process_left(tmp_path):
     pytest.importorskip("tqdm")
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, "-m", "ess_patch.cli", "demo", "--no-progress", "--out", str(out)]
+    argv = [sys.executable, "-m", "ess_patch.cli", "demo", "--scenario", "mixed"]
+    argv += ["--no-progress", "--out", str(out)]
     proc = subprocess.Popen(
         argv,
         env=env,

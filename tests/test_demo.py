@@ -33,9 +33,9 @@ def _rel_close(a: float, b: float, rel: float = 1e-6) -> bool:
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
-    """One ``ess-patch demo --quick`` through the CLI (dp=2; arms off and product)."""
+    """One ``ess-patch demo --scenario mixed --quick`` through the CLI (dp=2; off, product)."""
     out = tmp_path_factory.mktemp("demo") / "out"
-    code = cli.main(["demo", "--quick", "--no-progress", "--out", str(out)])
+    code = cli.main(["demo", "--scenario", "mixed", "--quick", "--no-progress", "--out", str(out)])
     records = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
     return code, out, records
 
@@ -59,7 +59,8 @@ def test_quick_run_writes_outputs(quick_run):
 
 def test_quick_run_prints_the_table_and_the_time(tmp_path, capsys):
     out = tmp_path / "out"
-    assert cli.main(["demo", "--quick", "--no-progress", "--steps", "2", "--out", str(out)]) == 0
+    argv = ["demo", "--scenario", "mixed", "--quick", "--no-progress", "--steps", "2"]
+    assert cli.main([*argv, "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "ESS-LR off" in text and "ESS-LR product" in text
     assert "where the time went" in text and "ess-patch" in text and "ms step" in text
@@ -409,7 +410,7 @@ def test_paired_differences_hand_values():
 
 
 def test_stress_flags_need_the_stress_scenario(capsys):
-    assert cli.main(["demo", "--seeds", "3", "--no-progress"]) == 2
+    assert cli.main(["demo", "--scenario", "mixed", "--seeds", "3", "--no-progress"]) == 2
     assert "--seeds and --lags need --scenario stress" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["demo", "--scenario", "stress", "--lags", "4,x"])
