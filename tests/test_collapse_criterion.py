@@ -107,32 +107,51 @@ def test_judge_refuses_an_empty_run():
         c.judge([])
 
 
-def test_warning_step_uses_the_trailing_mean_of_rho():
+def test_the_demo_scores_the_rule_users_get():
+    from ess_patch import EssLrConfig
+    from ess_patch.early_warning import firings
+
+    # the shipped defaults: rho below 0.2 for 3 consecutive steps
+    cfg = EssLrConfig()
+    assert (cfg.warn_threshold, cfg.warn_patience) == (c.WARN_THRESHOLD, c.WARN_PATIENCE)
     rhos = [0.9] * 10 + [0.1] * 10
-    # trailing mean of 5: step 10 -> (4 x 0.9 + 0.1) / 5 = 0.74; step 12 -> 0.42; step 13 -> 0.26
-    assert c.warning_step(rhos, 0.3) == 13
-    assert c.warning_step(rhos, 0.5) == 12
-    assert c.warning_step([0.9] * 20, 0.3) is None
-    assert c.warning_step([0.9, math.nan, 0.9, 0.9, 0.9], 0.8) == 1  # NaN counts as 0
+    assert c.warning_steps(rhos) == firings(rhos) == [12]  # steps 10, 11, 12 below 0.2
+    assert c.warning_steps([0.19, 0.19, 0.9] * 5) == []  # never 3 in a row
+    assert c.warning_steps([0.9, math.nan, math.nan, math.nan, 0.9], 0.5) == [3]  # NaN as 0
+    # a firing within STALE_GRACE steps of the first stale rollout is left out
+    early = [0.9] + [0.1] * 5 + [0.9] * 20 + [0.1] * 5
+    assert c.warning_steps(early) == [3, 28]
+    assert c.warning_steps(early, first_stale=1) == [28]  # 3 <= 1 + 10
 
 
 def test_early_warning_scores_hits_misses_and_false_alarms():
     def verdict(onset):
         return c.Verdict(onset is not None, ("giveback",) if onset else (), onset, 0, 0, 0, None)
 
-    low = [0.9] * 10 + [0.0] * 90  # 5-step means: 0.72, 0.54, 0.36, 0.18 at 10..13: warns at 13
+    low = [0.9] * 20 + [0.0] * 80  # fires at step 22 (20, 21, 22 below 0.2)
+    at_start = [0.0] * 5 + [0.9] * 95  # fires at step 2 only: staleness beginning
     runs = [
-        (low, verdict(50)),  # hit, lead 50 - 13 = 37
+        (low, verdict(50)),  # hit, lead 50 - 22 = 28
         (low, verdict(5)),  # collapsed before the warning: miss
         ([0.9] * 100, verdict(40)),  # never warned: miss
         (low, verdict(None)),  # false alarm
         ([0.9] * 100, verdict(None)),  # quiet
+        (at_start, verdict(60)),  # fired only within the grace: a miss, counted apart
     ]
-    s = c.early_warning(runs, 0.3)
-    assert (s.collapses, s.hits, s.misses, s.quiet_runs, s.false_alarms) == (3, 1, 2, 2, 1)
-    assert s.lead_steps == (37,)
-    assert s.hit_rate == pytest.approx(1 / 3) and s.false_alarm_rate == pytest.approx(0.5)
-    assert math.isnan(c.early_warning([], 0.3).hit_rate)
+    s = c.early_warning(runs, 0.2, first_stale=1)
+    assert (s["collapses"], s["hits"], s["misses"], s["quiet_runs"], s["false_alarms"]) == (
+        4,
+        1,
+        3,
+        2,
+        1,
+    )
+    assert s["lead_steps"] == (28,) and s["only_at_staleness_start"] == 1
+    assert s["hit_rate"] == pytest.approx(1 / 4) and s["false_alarm_rate"] == pytest.approx(0.5)
+    # without a stale start (sync runs) the early firing counts: a hit, lead 58
+    s = c.early_warning(runs[-1:], 0.2)
+    assert (s["hits"], s["lead_steps"], s["only_at_staleness_start"]) == (1, (58,), 0)
+    assert math.isnan(c.early_warning([], 0.2)["hit_rate"])
 
 
 def test_the_peak_is_taken_from_the_first_full_window_on():

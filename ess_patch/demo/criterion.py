@@ -22,11 +22,12 @@ collapse onset (for the early warning's lead time) is the earliest onset of the 
 that hold: the first non-finite step; the step after which the smoothed reward stays below
 ``peak - GIVEBACK x gain``; the spike; the step of the stalled run's peak.
 
-The early warning (:func:`warning_step`): the first step whose trailing mean rho over
-:data:`WARN_WINDOW` steps falls below a threshold (primary :data:`WARN_THRESHOLD`; the scenario
-also reports :data:`WARN_THRESHOLDS`). :func:`early_warning` scores it over runs: a hit warns
-at or before the onset of a collapse (lead = onset - warning), a miss does not, a false alarm
-warns in a run that did not collapse.
+The early warning is the rule users get (:mod:`ess_patch.early_warning`, one implementation:
+rho below ``warn_threshold``, 0.2, for ``warn_patience``, 3, consecutive steps; the scenario
+also reports :data:`WARN_THRESHOLDS`). :func:`early_warning` scores it over runs: a hit fires
+at or before the onset of a collapse (lead = onset - firing step), a miss does not, a false
+alarm fires in a run that did not collapse. A firing within :data:`STALE_GRACE` steps of the
+first stale rollout is not counted (it answers staleness, not a collapse; counted apart).
 """
 
 from __future__ import annotations
@@ -37,15 +38,15 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..early_warning import DEFAULT_PATIENCE, DEFAULT_THRESHOLD, firings
 from .report import smooth as trailing_mean
 
 __all__ = [
     "Verdict",
-    "WarningScore",
     "early_warning",
     "judge",
     "smooth",
-    "warning_step",
+    "warning_steps",
     "window",
 ]
 
@@ -59,9 +60,13 @@ SPIKE_HISTORY = 50
 SPIKE_MIN_HISTORY = 20
 LOST_REWARD = 0.05
 STALL_FRACTION = 0.5
-WARN_WINDOW = 5
-WARN_THRESHOLD = 0.3
+#: The rule users get (``EssLrConfig.warn_threshold`` / ``warn_patience``): the primary row.
+WARN_THRESHOLD = DEFAULT_THRESHOLD
+WARN_PATIENCE = DEFAULT_PATIENCE
 WARN_THRESHOLDS = (0.1, 0.2, 0.3, 0.5)
+#: Steps after the first stale rollout in which a firing is not counted: it answers the
+#: staleness starting (rho drops at once when rollouts turn stale), not a collapse coming.
+STALE_GRACE = 10
 
 
 def window(steps: int) -> int:
@@ -168,68 +173,60 @@ def judge(
     )
 
 
-def warning_step(rhos: Sequence[float], threshold: float = WARN_THRESHOLD) -> int | None:
-    """First step whose trailing mean rho over :data:`WARN_WINDOW` steps is below
-    ``threshold`` (a non-finite rho counts as 0), else ``None``."""
-    clean = [r if math.isfinite(r) else 0.0 for r in rhos]
-    for i, v in enumerate(smooth(clean, WARN_WINDOW)):
-        if v < threshold:
-            return i
-    return None
+def _clean(rhos: Sequence[float]) -> list[float]:
+    # a non-finite rho is the worst case, not a reason to stop scoring: it counts as 0
+    return [r if math.isfinite(r) and r >= 0 else 0.0 for r in rhos]
 
 
-@dataclass(frozen=True)
-class WarningScore:
-    """The rule's record over runs at one threshold."""
-
-    threshold: float
-    collapses: int
-    hits: int
-    misses: int
-    quiet_runs: int  # runs without a collapse
-    false_alarms: int
-    lead_steps: tuple[int, ...]  # onset - warning, one per hit
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.collapses if self.collapses else math.nan
-
-    @property
-    def false_alarm_rate(self) -> float:
-        return self.false_alarms / self.quiet_runs if self.quiet_runs else math.nan
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            **asdict(self),
-            "hit_rate": self.hit_rate,
-            "false_alarm_rate": self.false_alarm_rate,
-        }
+def warning_steps(
+    rhos: Sequence[float], threshold: float = WARN_THRESHOLD, first_stale: int | None = None
+) -> list[int]:
+    """The steps the shipped rule fires on (:func:`ess_patch.early_warning.firings`: rho below
+    ``threshold`` for ``warn_patience`` consecutive steps), leaving out those within
+    :data:`STALE_GRACE` steps of ``first_stale`` (the first stale rollout; None: none was):
+    those answer the staleness starting, not a collapse coming. A non-finite rho counts as 0."""
+    fired = firings(_clean(rhos), threshold=threshold, patience=WARN_PATIENCE)
+    if first_stale is None:
+        return fired
+    return [f for f in fired if f > first_stale + STALE_GRACE]
 
 
 def early_warning(
-    runs: Sequence[tuple[Sequence[float], Verdict]], threshold: float = WARN_THRESHOLD
-) -> WarningScore:
-    """Score :func:`warning_step` over ``runs`` (each: per-step rho and its verdict)."""
-    hits = misses = quiet = false = 0
+    runs: Sequence[tuple[Sequence[float], Verdict]],
+    threshold: float = WARN_THRESHOLD,
+    first_stale: int | None = None,
+) -> dict[str, Any]:
+    """Score the shipped rule over ``runs`` (each: per-step rho and its verdict): a hit fires
+    (after the staleness grace) at or before the onset of a collapse, lead = onset - firing;
+    a miss fires late or never; a false alarm fires in a run that did not collapse;
+    ``only_at_staleness_start`` counts the runs whose every firing fell within the grace."""
+    hits = misses = quiet = false = at_start = 0
     leads: list[int] = []
     for rhos, verdict in runs:
-        warn = warning_step(rhos, threshold)
-        if verdict.collapsed:
-            assert verdict.onset is not None
-            if warn is not None and warn <= verdict.onset:
+        every = firings(_clean(rhos), threshold=threshold, patience=WARN_PATIENCE)
+        fired = warning_steps(rhos, threshold, first_stale)
+        at_start += bool(every) and not fired
+        if verdict.collapsed and verdict.onset is not None:
+            if fired and fired[0] <= verdict.onset:
                 hits += 1
-                leads.append(verdict.onset - warn)
+                leads.append(verdict.onset - fired[0])
             else:
                 misses += 1
         else:
             quiet += 1
-            false += warn is not None
-    return WarningScore(
-        threshold=threshold,
-        collapses=hits + misses,
-        hits=hits,
-        misses=misses,
-        quiet_runs=quiet,
-        false_alarms=false,
-        lead_steps=tuple(leads),
-    )
+            false += bool(fired)
+    collapses = hits + misses
+    return {
+        "threshold": threshold,
+        "patience": WARN_PATIENCE,
+        "grace": None if first_stale is None else STALE_GRACE,
+        "collapses": collapses,
+        "hits": hits,
+        "misses": misses,
+        "quiet_runs": quiet,
+        "false_alarms": false,
+        "only_at_staleness_start": at_start,
+        "lead_steps": tuple(leads),
+        "hit_rate": hits / collapses if collapses else math.nan,
+        "false_alarm_rate": false / quiet if quiet else math.nan,
+    }
