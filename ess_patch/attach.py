@@ -11,6 +11,7 @@ from typing import Any
 
 import wrapt
 
+from .errors import EssPatchTypeError
 from .guard import ATTACHED, note_applied
 from .ledger import begin_step
 from .lr import scaled_lr, step_wrapper
@@ -37,7 +38,7 @@ def attach(optimizer: Any) -> Any:
         TypeError: the object has no callable ``step`` or no ``param_groups``.
     """
     if not callable(getattr(optimizer, "step", None)) or not hasattr(optimizer, "param_groups"):
-        raise TypeError(
+        raise EssPatchTypeError(
             f"ess_patch.attach needs an optimizer with step() and param_groups; got "
             f"{type(optimizer).__name__}"
         )

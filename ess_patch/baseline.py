@@ -40,12 +40,14 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import EssPatchError, EssPatchValueError
+
 __all__ = ["BaselineResult", "NonFiniteBaselineInputError", "min_variance_baseline"]
 
 _ACC = torch.float64
 
 
-class NonFiniteBaselineInputError(FloatingPointError):
+class NonFiniteBaselineInputError(EssPatchError, FloatingPointError):
     """A reward, squared norm or log-weight given to the baseline was NaN or infinite."""
 
 
@@ -68,9 +70,11 @@ class BaselineResult:
 def _as_vector(name: str, value: torch.Tensor, n: int | None) -> torch.Tensor:
     t = torch.as_tensor(value)
     if t.dim() != 1:
-        raise ValueError(f"min_variance_baseline: {name} must be 1-D, got shape {tuple(t.shape)}")
+        raise EssPatchValueError(
+            f"min_variance_baseline: {name} must be 1-D, got shape {tuple(t.shape)}"
+        )
     if n is not None and t.numel() != n:
-        raise ValueError(
+        raise EssPatchValueError(
             f"min_variance_baseline: {name} has {t.numel()} entries, rewards has {n}; "
             "give one value per trajectory"
         )
@@ -116,14 +120,14 @@ def min_variance_baseline(
     sq = _as_vector("sq_grad_norms", sq_grad_norms, n)
     ids = _as_vector("group_ids", group_ids, n)
     if ids.is_floating_point() or ids.is_complex():
-        raise ValueError("min_variance_baseline: group_ids must be an integer tensor")
+        raise EssPatchValueError("min_variance_baseline: group_ids must be an integer tensor")
     device = r.device
     r, sq = r.to(device, _ACC), sq.to(device, _ACC)
     _check_finite("rewards", r)
     _check_finite("sq_grad_norms", sq)
     if bool((sq < 0).any()):
         index = int((sq < 0).nonzero()[0, 0])
-        raise ValueError(
+        raise EssPatchValueError(
             f"min_variance_baseline: sq_grad_norms[{index}] = {sq[index].item()} is negative; "
             "a squared norm is >= 0"
         )
@@ -136,7 +140,9 @@ def min_variance_baseline(
         length = _as_vector("lengths", lengths, n).to(device, _ACC)
         _check_finite("lengths", length)
         if bool((length <= 0).any()):
-            raise ValueError("min_variance_baseline: lengths must be > 0 (the 1/L^2 factor)")
+            raise EssPatchValueError(
+                "min_variance_baseline: lengths must be > 0 (the 1/L^2 factor)"
+            )
         score = score - 2 * torch.log(length)
     uniq, inverse = torch.unique(ids.to(device), return_inverse=True)
     g = uniq.numel()

@@ -47,6 +47,7 @@ from dataclasses import replace
 import torch.distributed as dist
 
 from .config import EssLrConfig
+from .errors import EssPatchValueError
 from .estimator import scale_of
 from .result import EssLrResult
 from .state import STATE
@@ -143,7 +144,7 @@ def load(payload: object) -> None:
         total = float(payload["sum_rho"])  # type: ignore[index]
         key = tuple(float(v) for v in payload["config"])  # type: ignore[index]
     except (TypeError, KeyError, ValueError) as exc:
-        raise ValueError(
+        raise EssPatchValueError(
             f"the checkpoint's {CHECKPOINT_KEY!r} entry is not an ESS-LR calibration "
             f"({payload!r}); remove that key from the optimizer state dict to calibrate anew"
         ) from exc

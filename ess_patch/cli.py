@@ -13,6 +13,7 @@ from typing import Any
 
 from . import __version__
 from .config import EssLrConfig
+from .errors import EssPatchValueError
 from .integrations.flags import add_config_options, given_options
 
 #: The ESS-LR settings the demo takes as flags (``--floor``...; the others do not apply to it).
@@ -229,7 +230,7 @@ def _ess_settings(args: argparse.Namespace, **fixed: str) -> EssLrConfig:
             EssLrConfig(**{name: value})
         except ValueError as exc:
             problem = str(exc).removeprefix(f"EssLrConfig.{name}={value!r} ")
-            raise ValueError(f"{_flag(name)} {problem} (got {value})") from None
+            raise EssPatchValueError(f"{_flag(name)} {problem} (got {value})") from None
     return EssLrConfig.from_env(**{**given, **fixed})
 
 
@@ -367,7 +368,7 @@ def _run_stress(args: argparse.Namespace) -> int:
         options["ess"] = _ess_settings(args, weight_mode=STRESS["ess"].weight_mode)
         cfg = stress_config(**options)
         if seeds < 2:
-            raise ValueError(f"--seeds {seeds}: paired statistics need at least 2 seeds")
+            raise EssPatchValueError(f"--seeds {seeds}: paired statistics need at least 2 seeds")
     except ValueError as exc:  # DemoConfigError included
         return _refused(exc)
     lags = sorted({cfg.lag, *(args.lags or ())})
@@ -470,7 +471,9 @@ def _run_main(args: argparse.Namespace) -> int:
         options["ess"] = _ess_settings(args, weight_mode="product")
         cfg = main_job.main_config(**options)
         if "sync" not in cfg.arms or jobs < 1:
-            raise ValueError(f"--arms {','.join(cfg.arms)} --jobs {jobs}: keep sync, >= 1 job")
+            raise EssPatchValueError(
+                f"--arms {','.join(cfg.arms)} --jobs {jobs}: keep sync, >= 1 job"
+            )
     except ValueError as exc:  # DemoConfigError included
         return _refused(exc)
     out = args.out
@@ -557,7 +560,9 @@ def _run_collapse(args: argparse.Namespace) -> int:
         options["ess"] = _ess_settings(args, weight_mode="product")
         cfg = collapse.collapse_config(**options)
         if seeds < 2 or args.jobs < 1:
-            raise ValueError(f"--seeds {seeds} --jobs {args.jobs}: give >= 2 seeds, >= 1 job")
+            raise EssPatchValueError(
+                f"--seeds {seeds} --jobs {args.jobs}: give >= 2 seeds, >= 1 job"
+            )
     except ValueError as exc:  # DemoConfigError included
         return _refused(exc)
     out = args.out

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from . import calibration, estimator, policy_version
 from .config import EssLrConfig
+from .errors import EssPatchTypeError, EssPatchValueError
 from .reduction import (
     ENVELOPE_SIZE,
     NO_CALIBRATION,
@@ -278,7 +279,7 @@ def _check_unused_inputs(
     if log_probs is None or rollout_log_probs is None:
         return  # the usual case: only the last stage has log-probs
     if loss_masks is None:
-        raise ValueError("loss_masks is None but log-probs were given; pass the masks too")
+        raise EssPatchValueError("loss_masks is None but log-probs were given; pass the masks too")
     stats = estimator.trajectory_stats(log_probs, rollout_log_probs, loss_masks)
     dp_rank = dist.get_rank(dp_group) if group_size(dp_group, "DP") > 1 else 0
     estimator.finalize(estimator.summarize(stats, config, rank=dp_rank), config)
@@ -322,9 +323,11 @@ def compute_ess_lr_from_stats(
     if error is None:
         try:
             if trajectory_stats is None:
-                raise ValueError("trajectory_stats is None; pass a [B, 3] table (B may be 0)")
+                raise EssPatchValueError(
+                    "trajectory_stats is None; pass a [B, 3] table (B may be 0)"
+                )
             if trajectory_stats.dim() != 2 or trajectory_stats.shape[1] != 3:
-                raise ValueError(
+                raise EssPatchValueError(
                     "trajectory_stats must be a [B, 3] table of [sum of masked log-ratios, "
                     f"masked tokens, non-finite flag]; got shape {tuple(trajectory_stats.shape)}"
                 )
@@ -375,10 +378,12 @@ def _reduce(
             stats = _missing_table(log_probs, rollout_log_probs, loss_masks, sizes[0])
         else:
             if loss_masks is None:
-                raise ValueError("loss_masks is None but log-probs were given; pass the masks too")
+                raise EssPatchValueError(
+                    "loss_masks is None but log-probs were given; pass the masks too"
+                )
             stats = estimator.trajectory_stats(log_probs, rollout_log_probs, loss_masks)
         if on_policy is not None and len(on_policy) != stats.shape[0]:
-            raise ValueError(
+            raise EssPatchValueError(
                 f"policy_versions has {len(on_policy)} entries for {stats.shape[0]} "
                 "trajectories; pass one per trajectory, aligned with the log-probs"
             )
@@ -515,7 +520,7 @@ def _check_config(config: object) -> EssLrConfig:
     if config is None:
         return _DEFAULT_CONFIG
     if not isinstance(config, EssLrConfig):
-        raise TypeError(
+        raise EssPatchTypeError(
             f"config must be an ess_patch.EssLrConfig (e.g. EssLrConfig(floor=0.2)), got "
             f"{type(config).__name__}"
         )
@@ -536,7 +541,7 @@ def _missing_table(
     known = next((s for s in (loss_masks, log_probs, rollout_log_probs) if s is not None), None)
     if known is None:
         if cp_size > 1:
-            raise ValueError(
+            raise EssPatchValueError(
                 "compute_ess_lr: all inputs are None on a rank of a CP group of size > 1; pass "
                 "loss_masks so that this rank joins its CP peers' reduction with the right size"
             )

@@ -9,6 +9,8 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
+from .errors import EssPatchValueError
+
 __all__ = [
     "CHOICES",
     "DEFAULT_PATIENCE",
@@ -63,7 +65,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 
 def _choice(name: str, value: object, valid: tuple[str, ...]) -> str:
     if value not in valid:
-        raise ValueError(
+        raise EssPatchValueError(
             f"EssLrConfig.{name}={value!r} is not a known value; valid values: {', '.join(valid)}"
         )
     return value  # type: ignore[return-value]
@@ -175,13 +177,13 @@ class EssLrConfig:
     def __post_init__(self) -> None:
         floor = _as_float("floor", self.floor)
         if not 0.0 < floor <= 1.0:
-            raise ValueError(
+            raise EssPatchValueError(
                 f"EssLrConfig.floor={self.floor!r} must be in (0, 1]: it is the smallest "
                 "fraction of the scheduled LR an update may use (default 0.1)"
             )
         base = _as_float("base_ratio", self.base_ratio)
         if not base > 0.0 or base == float("inf"):
-            raise ValueError(
+            raise EssPatchValueError(
                 f"EssLrConfig.base_ratio={self.base_ratio!r} must be a finite number > 0 "
                 "(rho is divided by it; 1.0 means no rescaling)"
             )
@@ -230,7 +232,7 @@ class EssLrConfig:
                 try:
                     cls(**{f.name: raw})  # type: ignore[arg-type]
                 except (TypeError, ValueError) as exc:
-                    raise ValueError(_bad_variable(variable, f.name, raw, exc)) from None
+                    raise EssPatchValueError(_bad_variable(variable, f.name, raw, exc)) from None
                 values[f.name] = raw
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
@@ -252,7 +254,7 @@ def check_env_names(environ: Mapping[str, str]) -> None:
     for name in sorted(k for k in environ if k.startswith(_ENV_PREFIX) and k not in ENV_NAMES):
         close = difflib.get_close_matches(name, ENV_NAMES, n=1, cutoff=0.6)
         hint = f"did you mean {close[0]}? " if close else ""
-        raise ValueError(
+        raise EssPatchValueError(
             f"{name} is not an ESS-LR setting: {hint}Known: {', '.join(ENV_NAMES)}. Rename "
             f"or unset {name}"
         )
@@ -282,13 +284,13 @@ def _bad_variable(variable: str, name: str, raw: str, error: Exception) -> str:
 
 def _as_float(name: str, value: object) -> float:
     if isinstance(value, bool):
-        raise ValueError(f"EssLrConfig.{name}={value!r} must be a number, not a bool")
+        raise EssPatchValueError(f"EssLrConfig.{name}={value!r} must be a number, not a bool")
     try:
         out = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
-        raise ValueError(f"EssLrConfig.{name}={value!r} is not a number") from None
+        raise EssPatchValueError(f"EssLrConfig.{name}={value!r} is not a number") from None
     if out != out:
-        raise ValueError(f"EssLrConfig.{name} is NaN; give a number")
+        raise EssPatchValueError(f"EssLrConfig.{name} is NaN; give a number")
     return out
 
 
@@ -298,7 +300,7 @@ def _weight_clip(value: object) -> float | None:
         return None
     clip = _as_float("weight_clip", value)
     if not 0.0 < clip < math.inf:
-        raise ValueError(
+        raise EssPatchValueError(
             f"EssLrConfig.weight_clip={value!r} must be a finite number > 0 (each trajectory "
             "weight w_i = exp(m_i) becomes min(w_i, weight_clip)), or None for no clipping"
         )
@@ -323,7 +325,7 @@ def _whole(value: object) -> int | None:
 def _calibration(value: object) -> int:
     text = _whole(value)
     if text is None or not 0 <= text <= _MAX_CALIBRATION:
-        raise ValueError(
+        raise EssPatchValueError(
             f"EssLrConfig.calibrate_rollouts={value!r} must be a whole number of rollouts in "
             f"[0, {_MAX_CALIBRATION}]: the base ratio is calibrated from the mean rho of the "
             "first that many measured rollouts (0: off, base_ratio as given)"
@@ -337,19 +339,21 @@ def check_rule(threshold: object, patience: object) -> tuple[float, int]:
     ``threshold`` in [0, 1] (0: the rule never fires, rho is never below 0); ``patience`` a
     whole number >= 1."""
     if isinstance(threshold, bool):
-        raise ValueError(f"early-warning threshold {threshold!r} must be a number, not a bool")
+        raise EssPatchValueError(
+            f"early-warning threshold {threshold!r} must be a number, not a bool"
+        )
     try:
         value = float(threshold)  # type: ignore[arg-type]
     except (TypeError, ValueError):
-        raise ValueError(f"early-warning threshold {threshold!r} is not a number") from None
+        raise EssPatchValueError(f"early-warning threshold {threshold!r} is not a number") from None
     if not 0.0 <= value <= 1.0:  # NaN fails too
-        raise ValueError(
+        raise EssPatchValueError(
             f"early-warning threshold {threshold!r} must be in [0, 1]: the rule fires when rho "
             f"(ESS / B, in (0, 1]) stays below it (default {DEFAULT_THRESHOLD}; 0 turns it off)"
         )
     whole = _whole(patience)
     if whole is None or whole < 1:
-        raise ValueError(
+        raise EssPatchValueError(
             f"early-warning patience {patience!r} must be a whole number >= 1: the consecutive "
             f"results below the threshold before it fires (default {DEFAULT_PATIENCE})"
         )
@@ -367,7 +371,9 @@ def _as_bool(name: str, value: object) -> bool:
     if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
         return value.strip().lower() in _TRUE
     env = _ENV_PREFIX + name.upper()
-    raise ValueError(f"EssLrConfig.{name}={value!r} (or {env}) must be a bool: 1/0/true/false")
+    raise EssPatchValueError(
+        f"EssLrConfig.{name}={value!r} (or {env}) must be a bool: 1/0/true/false"
+    )
 
 
 def _encode_field(name: str, value: object) -> float:

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .errors import EssPatchValueError
+
 __all__ = ["local_response_masks", "zigzag_response_ranges"]
 
 
@@ -34,9 +36,9 @@ def zigzag_response_ranges(
     Indices are relative to the response start; an empty chunk is ``(0, 0)``.
     """
     if cp_size < 1 or not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank={cp_rank} must be in [0, cp_size={cp_size})")
+        raise EssPatchValueError(f"cp_rank={cp_rank} must be in [0, cp_size={cp_size})")
     if not 0 <= response_length <= total_length:
-        raise ValueError(
+        raise EssPatchValueError(
             f"response_length={response_length} must be in [0, total_length={total_length}]"
         )
     if cp_size == 1:
@@ -45,10 +47,12 @@ def zigzag_response_ranges(
         span = total_length
     elif qkv_format == "bshd":
         if max_seq_len is None:
-            raise ValueError("qkv_format='bshd' needs max_seq_len (the padded sequence length)")
+            raise EssPatchValueError(
+                "qkv_format='bshd' needs max_seq_len (the padded sequence length)"
+            )
         span = max_seq_len
     else:
-        raise ValueError(f"qkv_format={qkv_format!r} is not one of 'thd', 'bshd'")
+        raise EssPatchValueError(f"qkv_format={qkv_format!r} is not one of 'thd', 'bshd'")
     chunk = -(-span // (2 * cp_size))
     prompt = total_length - response_length
     ranges = []
@@ -77,7 +81,7 @@ def local_response_masks(
     """
     n = len(loss_masks)
     if not (len(total_lengths) == len(response_lengths) == n):
-        raise ValueError(
+        raise EssPatchValueError(
             f"{n} loss_masks, {len(total_lengths)} total_lengths and {len(response_lengths)} "
             "response_lengths: give one of each per sample"
         )
@@ -88,7 +92,7 @@ def local_response_masks(
         zip(loss_masks, total_lengths, response_lengths, strict=True)
     ):
         if mask.shape[0] != response:
-            raise ValueError(
+            raise EssPatchValueError(
                 f"sample {i}: loss_masks[{i}] has {mask.shape[0]} entries but response_length is "
                 f"{response}; pass full-length (not CP-sliced) response masks"
             )

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 # the rule's settings are EssLrConfig fields (warn_threshold, warn_patience): checked there
 from .config import DEFAULT_PATIENCE, DEFAULT_THRESHOLD, check_rule
+from .errors import EssPatchValueError
 
 __all__ = [
     "DEFAULT_PATIENCE",
@@ -55,9 +56,9 @@ def _rho(value: object) -> float:
     try:
         rho = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
-        raise ValueError(f"rho {value!r} is not a number") from None
+        raise EssPatchValueError(f"rho {value!r} is not a number") from None
     if not rho >= 0.0 or rho == math.inf:
-        raise ValueError(
+        raise EssPatchValueError(
             f"rho {value!r} is not a finite number >= 0; feed only measured results "
             "(EssLrResult.measured, a finite rho)"
         )
@@ -126,7 +127,7 @@ def _steps(rhos: Sequence[float], steps: Sequence[int] | None) -> Iterable[tuple
     if steps is None:
         return enumerate(rhos)
     if len(steps) != len(rhos):
-        raise ValueError(
+        raise EssPatchValueError(
             f"steps has {len(steps)} entries and the rho series {len(rhos)}: give one step "
             "per rho (or none: the index is the step)"
         )
@@ -248,7 +249,7 @@ def evaluate(
             :func:`firings` raises, naming the run.
     """
     if set(runs) != set(onsets):
-        raise ValueError(
+        raise EssPatchValueError(
             "runs and onsets must name the same runs (onset None: no collapse); only in runs: "
             f"{sorted(set(runs) - set(onsets))}, only in onsets: {sorted(set(onsets) - set(runs))}"
         )
@@ -263,7 +264,7 @@ def evaluate(
                 steps=None if steps is None else steps.get(name),
             )
         except ValueError as exc:
-            raise ValueError(f"run {name!r}: {exc}") from None
+            raise EssPatchValueError(f"run {name!r}: {exc}") from None
         onset = onsets[name]
         onset = None if onset is None else int(onset)
         lead = None if onset is None or first is None else onset - first

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from .config import EssLrConfig
+from .errors import EssPatchError, EssPatchTypeError, EssPatchValueError
 from .result import EssLrResult
 
 __all__ = [
@@ -59,11 +60,11 @@ class Flags(NamedTuple):
     invalid: bool | torch.Tensor = False
 
 
-class InvalidInputsElsewhereError(ValueError):
+class InvalidInputsElsewhereError(EssPatchError, ValueError):
     """Another rank's inputs failed validation; that rank raised the detailed error."""
 
 
-class NonFiniteLogProbError(FloatingPointError):
+class NonFiniteLogProbError(EssPatchError, FloatingPointError):
     """A masked token's train/rollout log-ratio was NaN or infinite (``nonfinite="raise"``)."""
 
 
@@ -80,40 +81,44 @@ def validate_inputs(
     seqs = (log_probs, rollout_log_probs, loss_masks)
     for name, seq in zip(names, seqs, strict=True):
         if isinstance(seq, torch.Tensor) or not isinstance(seq, Sequence):
-            raise TypeError(
+            raise EssPatchTypeError(
                 f"{name} must be a sequence (list/tuple) of 1-D tensors, one per trajectory; "
                 f"got {type(seq).__name__}"
             )
     counts = [len(s) for s in seqs]
     if len(set(counts)) != 1:
-        raise ValueError(
+        raise EssPatchValueError(
             "log_probs, rollout_log_probs and loss_masks must hold one tensor per trajectory "
             f"each; got {counts[0]}, {counts[1]} and {counts[2]} tensors"
         )
     for i, (lp, rlp, mask) in enumerate(zip(log_probs, rollout_log_probs, loss_masks, strict=True)):
         for name, t in zip(names, (lp, rlp, mask), strict=True):
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name}[{i}] is a {type(t).__name__}, expected a torch.Tensor")
+                raise EssPatchTypeError(
+                    f"{name}[{i}] is a {type(t).__name__}, expected a torch.Tensor"
+                )
             if t.dim() != 1:
-                raise ValueError(
+                raise EssPatchValueError(
                     f"{name}[{i}] has shape {tuple(t.shape)}; expected a 1-D tensor of "
                     f"per-token values for sample {i}"
                 )
         for name, t in (("log_probs", lp), ("rollout_log_probs", rlp)):
             if not t.is_floating_point():
-                raise TypeError(
+                raise EssPatchTypeError(
                     f"{name}[{i}] has dtype {t.dtype}; log-probs must be floating point"
                 )
         if mask.is_complex():
-            raise TypeError(f"loss_masks[{i}] has dtype {mask.dtype}; expected bool, int or float")
+            raise EssPatchTypeError(
+                f"loss_masks[{i}] has dtype {mask.dtype}; expected bool, int or float"
+            )
         if not (lp.shape[0] == rlp.shape[0] == mask.shape[0]):
-            raise ValueError(
+            raise EssPatchValueError(
                 f"sample {i}: log_probs has {lp.shape[0]} tokens, rollout_log_probs "
                 f"{rlp.shape[0]}, loss_masks {mask.shape[0]}; they must be aligned token by token "
                 "(pass the masks sliced to this rank's tokens)"
             )
         if not (lp.device == rlp.device == mask.device):
-            raise ValueError(
+            raise EssPatchValueError(
                 f"sample {i}: log_probs on {lp.device}, rollout_log_probs on {rlp.device}, "
                 f"loss_masks on {mask.device}; put them on one device"
             )
@@ -157,7 +162,9 @@ def _checked_lengths(
         ok = False
     if not ok:
         validate_inputs(*seqs)  # raises, naming the sample
-        raise ValueError("ESS-LR inputs do not line up (see validate_inputs)")  # not reached
+        raise EssPatchValueError(
+            "ESS-LR inputs do not line up (see validate_inputs)"
+        )  # not reached
     return lengths
 
 
@@ -217,11 +224,11 @@ def _stats(
     # torch.cat compares dims only across tensors: one alone (or after empty ones) keeps its
     # shape. A TypeError makes the caller run validate_inputs, which names the sample.
     if masks.is_complex() or lp.dim() != 1 or rlp.dim() != 1 or masks.dim() != 1:
-        raise TypeError("a complex or non-1-D input tensor")
+        raise EssPatchTypeError("a complex or non-1-D input tensor")
     if masks.is_floating_point() and bool(torch.isnan(masks).any()):
         # NaN != 0 would count as masked-in: say which sample instead of guessing
         bad = next(i for i, m in enumerate(loss_masks) if bool(torch.isnan(m).any()))
-        raise ValueError(
+        raise EssPatchValueError(
             f"loss_masks[{bad}] holds NaN; a mask entry must be 0 (ignored) or non-zero "
             "(counted). Fix the mask (e.g. torch.nan_to_num) before ESS-LR"
         )

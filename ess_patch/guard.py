@@ -34,6 +34,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import state
+from .errors import FailClosedError
 from .result import EssLrResult, check_scale
 from .state import STATE, is_scaled
 
@@ -66,8 +67,9 @@ ATTACHED = "_ess_patch_step_hooks"
 _ON = ("1", "true", "yes", "on")
 
 
-class EssLrNotAppliedError(RuntimeError):
-    """ESS-LR was requested and a step would not apply it: the run stops here."""
+#: ESS-LR was requested and a step would not apply it: the run stops here. The one
+#: fail-closed type (:class:`ess_patch.errors.FailClosedError`), under its older name.
+EssLrNotAppliedError = FailClosedError
 
 
 def auto_install_requested(environ: Mapping[str, str] | None = None) -> str | None:

@@ -20,6 +20,7 @@ from types import ModuleType
 import wrapt
 
 from .config import EssLrConfig
+from .errors import EssPatchValueError
 from .integrations import Integration
 from .integrations.registry import COMPONENTS
 from .patching import FailClosedError, Patch, apply, revert, unwrap_copy
@@ -197,7 +198,7 @@ def _select(integrations: Iterable[str] | str | None) -> list[str]:
     names = list(dict.fromkeys(integrations))
     unknown = [n for n in names if n not in INTEGRATIONS]
     if unknown:
-        raise ValueError(
+        raise EssPatchValueError(
             f"unknown ess-patch integration(s) {', '.join(map(repr, unknown))}; "
             f"valid: {', '.join(INTEGRATIONS)}"
         )

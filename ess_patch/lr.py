@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from .errors import EssPatchKeyError
 from .guard import note_applied
 from .ledger import begin_step
 from .result import check_scale
@@ -40,7 +41,9 @@ def scaled_lr(optimizer: Any, scale: float) -> Iterator[None]:
             continue
         seen.add(id(group))
         if "lr" not in group:
-            raise KeyError(f"param_groups[{index}] of {type(optimizer).__name__} has no 'lr'")
+            raise EssPatchKeyError(
+                f"param_groups[{index}] of {type(optimizer).__name__} has no 'lr'"
+            )
         saved.append((group, group["lr"]))
     try:
         for group, lr in saved:

@@ -15,6 +15,9 @@ from typing import Any
 
 import wrapt
 
+from . import errors
+from .errors import EssPatchError
+
 __all__ = [
     "MISSING",
     "UNWRAPPED",
@@ -39,11 +42,11 @@ _MARK = "_self_ess_patch_target"
 VENDORED_MARK = "__ess_patch_vendored__"
 
 
-class MissingTargetError(ImportError):
+class MissingTargetError(EssPatchError, ImportError):
     """A symbol ess-patch must wrap does not exist in the installed version."""
 
 
-class FailClosedError(MissingTargetError):
+class FailClosedError(errors.FailClosedError, MissingTargetError):
     """A host imported after ``install()`` fits no shape while ESS-LR is requested in this
     process: the host's import fails with it (the run stops) instead of the integration being
     rolled back and the policy training at the scheduled LR."""

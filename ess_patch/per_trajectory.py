@@ -52,6 +52,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .errors import EssPatchError, EssPatchRuntimeError, EssPatchValueError
+
 __all__ = ["PerTrajectoryGrads", "UnsupportedModuleError"]
 
 logger = logging.getLogger(__name__)
@@ -59,7 +61,7 @@ logger = logging.getLogger(__name__)
 _ACC = torch.float32
 
 
-class UnsupportedModuleError(TypeError):
+class UnsupportedModuleError(EssPatchError, TypeError):
     """The model has a trainable parameter in a module kind with no per-trajectory rule."""
 
 
@@ -149,7 +151,7 @@ class PerTrajectoryGrads:
         materialise_ratio: float = 1.0,
     ):
         if not materialise_ratio >= 0:
-            raise ValueError(
+            raise EssPatchValueError(
                 f"PerTrajectoryGrads: materialise_ratio={materialise_ratio} must be >= 0"
             )
         self.materialise_ratio = materialise_ratio
@@ -334,14 +336,14 @@ class PerTrajectoryGrads:
         n = self._sites[0].rows if self._sites else []
         for site in self._sites:
             if site.rows != n:
-                raise RuntimeError(
+                raise EssPatchRuntimeError(
                     f"PerTrajectoryGrads: module {site.name!r} saw micro-batches of {site.rows} "
                     f"trajectories, {self._sites[0].name!r} {n}; every module must run on every "
                     "micro-batch"
                 )
             missing = [k for k, p in enumerate(site.pieces) if p is None]
             if missing:
-                raise RuntimeError(
+                raise EssPatchRuntimeError(
                     f"PerTrajectoryGrads: module {site.name!r} ran forward for micro-batches "
                     f"{missing} with no backward since start(); call sq_norms()/apply() after "
                     "the step's last backward"
@@ -385,7 +387,7 @@ class PerTrajectoryGrads:
         c = torch.as_tensor(coeffs).flatten().to(_ACC)
         sizes = self._sites[0].rows if self._sites else []
         if sum(sizes) != c.numel():
-            raise ValueError(
+            raise EssPatchValueError(
                 f"PerTrajectoryGrads: {c.numel()} coefficients for {sum(sizes)} captured "
                 "trajectories; give one per trajectory, in micro-batch order"
             )

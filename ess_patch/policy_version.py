@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .errors import EssPatchTypeError
+
 __all__ = ["Version", "on_policy", "same_version"]
 
 #: One recorded policy version: an int, or a string (miles, slime: ``"3"``).
@@ -27,7 +29,7 @@ Version = int | str
 
 def _norm(version: object) -> str:
     if isinstance(version, bool) or not isinstance(version, int | str):
-        raise TypeError(
+        raise EssPatchTypeError(
             f"a policy version must be an int or a str (e.g. miles' weight_versions '3'), got "
             f"{type(version).__name__} {version!r}"
         )
@@ -55,7 +57,7 @@ def on_policy(
             a sequence.
     """
     if isinstance(versions, str | bytes) or not isinstance(versions, Sequence):
-        raise TypeError(
+        raise EssPatchTypeError(
             "policy_versions must be a sequence with one entry per trajectory, got "
             f"{type(versions).__name__}"
         )

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .config import FINGERPRINT_SIZE, EssLrConfig, describe_fingerprint
+from .errors import EssPatchError, EssPatchRuntimeError, EssPatchValueError
 from .estimator import InvalidInputsElsewhereError
 from .result import ENCODED_SIZE, EssLrResult
 
@@ -38,7 +39,7 @@ __all__ = [
 ]
 
 
-class ConfigMismatchError(ValueError):
+class ConfigMismatchError(EssPatchError, ValueError):
     """Ranks of one group run different ESS-LR settings (every one of them raises)."""
 
 
@@ -52,12 +53,12 @@ def group_size(group: object | None, name: str = "process") -> int:
     if group is None:
         return 1
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
+        raise EssPatchRuntimeError(
             "a process group was passed to ess_patch but torch.distributed is not initialized; "
             "call torch.distributed.init_process_group first or pass no group"
         )
     if dist.get_rank(group) < 0:
-        raise ValueError(
+        raise EssPatchValueError(
             f"rank {dist.get_rank()} is not a member of the {name} group passed to ess_patch; "
             "pass the group this rank belongs to (e.g. parallel_state's getters), or None"
         )
@@ -259,7 +260,7 @@ def broadcast_from_last_stage(
         if error is not None:
             raise error
         if result is None:
-            raise ValueError(
+            raise EssPatchValueError(
                 "broadcast_from_last_stage: the last pipeline stage passed nothing to broadcast"
             )
         return result

@@ -19,6 +19,8 @@ import dis
 import sys
 from collections.abc import Mapping
 
+from .errors import EssPatchError
+
 __all__ = [
     "REMOVED_KEYWORDS",
     "REMOVED_NAMES",
@@ -58,16 +60,16 @@ REMOVED_KEYWORDS: dict[tuple[str, str], tuple[str, str]] = {
 _SEE = "(CHANGELOG.md, 'Removed')"
 
 
-class RemovedNameError(AttributeError):
+class RemovedNameError(EssPatchError, AttributeError):
     """``ess_patch.<name>`` for a name removed since 0.1.0; the message names its replacement."""
 
 
-class RemovedImportError(ImportError):
+class RemovedImportError(EssPatchError, ImportError):
     """``from ess_patch import <name>`` for a name removed since 0.1.0; the message names its
     replacement."""
 
 
-class RemovedKeywordError(TypeError):
+class RemovedKeywordError(EssPatchError, TypeError):
     """A keyword argument removed since 0.1.0; the message names what to do instead."""
 
 

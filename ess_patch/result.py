@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from .errors import EssPatchValueError
+
 __all__ = ["ENCODED_SIZE", "STATUSES", "UNMEASURED", "EssLrResult", "check_scale"]
 
 #: ok: computed from at least one valid trajectory.
@@ -23,11 +25,13 @@ def check_scale(scale: float) -> float:
     try:
         value = float(scale)
     except (TypeError, ValueError):
-        raise ValueError(
+        raise EssPatchValueError(
             f"LR scale {scale!r} is not a number; expected a float in (0, 1]"
         ) from None
     if not (0.0 < value <= 1.0) or math.isnan(value):
-        raise ValueError(f"LR scale {scale!r} must be in (0, 1]: ESS-LR only ever lowers the LR")
+        raise EssPatchValueError(
+            f"LR scale {scale!r} must be in (0, 1]: ESS-LR only ever lowers the LR"
+        )
     return value
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from .config import EssLrConfig
+from .errors import EssPatchError, EssPatchValueError
 from .result import EssLrResult, check_scale
 
 __all__ = [
@@ -174,7 +175,7 @@ def disarm() -> None:
     STATE.applied = None
 
 
-class StepCountError(RuntimeError):
+class StepCountError(EssPatchError, RuntimeError):
     """A rollout measured inside the loss ran more optimizer steps than its granularity
     allows (one ESS per rollout does not exist before the first of several steps)."""
 
@@ -182,7 +183,7 @@ class StepCountError(RuntimeError):
 def set_role(role: str) -> None:
     """Declare this process's role; a ``"critic"`` process is never scaled."""
     if role not in ROLES:
-        raise ValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
+        raise EssPatchValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
     STATE.role = role
 
 

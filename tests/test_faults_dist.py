@@ -181,14 +181,15 @@ def _expect(fault: str, rank: int, faulty: int, lay: tuple[int, int, int]) -> se
         return {"NonFiniteLogProbError", "InvalidInputsElsewhereError"}
     if fault == "count" and cp > 1:
         same_cp = {r for r in range(dp * cp * pp) if r // cp == faulty // cp}
-        return {"ValueError"} if rank in same_cp else {"InvalidInputsElsewhereError"}
+        return {"EssPatchValueError"} if rank in same_cp else {"InvalidInputsElsewhereError"}
     if rank == faulty:
         return {
-            "runtime": {"RuntimeError", "TypeError", "NotImplementedError", "ValueError"},
-            "index": {"IndexError", "ValueError"},
-            "count": {"ValueError"},
-            "all_none": {"ValueError"},
-            "none_result": {"TypeError", "ValueError"},
+            # the injected fault's own type, or ess-patch's error naming it (EssPatch*)
+            "runtime": {"RuntimeError", "TypeError", "NotImplementedError", "EssPatchValueError"},
+            "index": {"IndexError", "EssPatchValueError"},
+            "count": {"EssPatchValueError"},
+            "all_none": {"EssPatchValueError"},
+            "none_result": {"TypeError", "EssPatchTypeError", "EssPatchValueError"},
         }[fault]
     return {"InvalidInputsElsewhereError"}
 

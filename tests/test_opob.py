@@ -29,7 +29,7 @@ def test_glue_errors_name_the_problem_and_change_nothing(tmp_path):
     ("kind", "error", "mine", "other"),
     [
         ("nan_reward", "NonFiniteBaselineInputError", "(this rank;", "(another rank;"),
-        ("rows", "RuntimeError", "got 5 rewards", "on another rank"),
+        ("rows", "EssPatchRuntimeError", "got 5 rewards", "on another rank"),
     ],
 )
 def test_a_fault_on_one_dp_rank_raises_on_every_rank_before_any_write(

@@ -156,10 +156,10 @@ def test_one_call_on_every_rank_every_fault_everywhere(tmp_path, dp, cp, pp):
                 if kind == "InvalidInputsElsewhereError" and fault in ("bad_config", "bad_input"):
                     assert f"rank(s) {faulty} " in message, (case, rank, message)
             own = {
-                "bad_config": "TypeError",
+                "bad_config": "EssPatchTypeError",
                 "mismatch": "ConfigMismatchError",
                 "nan": "NonFiniteLogProbError",
-                "bad_input": "ValueError",
+                "bad_input": "EssPatchValueError",
             }[fault]
             assert kinds[faulty] == own, (case, kinds)
             others = set(kinds) - {own}

@@ -178,7 +178,7 @@ def test_one_rank_with_invalid_inputs_fails_every_rank_without_hanging(tmp_path)
     )
     errors = [r["geometric"]["result"]["error"] for r in results]
     bad = 3  # (dp 1, cp 1) is global rank 3
-    assert errors[bad].startswith("ValueError: sample 0: log_probs has")
+    assert errors[bad].startswith("EssPatchValueError: sample 0: log_probs has")
     for rank, error in enumerate(errors):
         if rank != bad:
             assert error.startswith("InvalidInputsElsewhereError: ESS-LR failed on rank"), error

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import EssPatchError
+
 __all__ = ["NO_TRAIN_LOGPROBS", "DumpError", "DumpFile", "Trajectory", "load_dump"]
 
 NO_TRAIN_LOGPROBS = (
@@ -29,7 +31,7 @@ NO_TRAIN_LOGPROBS = (
 )
 
 
-class DumpError(ValueError):
+class DumpError(EssPatchError, ValueError):
     """A dump file or a set of them cannot be analysed; the message says which and why."""
 
 

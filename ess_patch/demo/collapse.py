@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import EssLrConfig
+from ..errors import EssPatchValueError
 from . import criterion, stats
 from .train import DemoConfig
 from .warm_start import WarmStart
@@ -184,7 +185,7 @@ def run_arms(
     out: dict[int, dict[str, list[dict[str, Any]]]] = {s: {} for s in seeds}
     copies = "constant" in arms and cfg.constant_scale is None
     if copies and cfg.control_of not in arms:
-        raise ValueError(f"the constant arm copies {cfg.control_of!r}: add it to the arms")
+        raise EssPatchValueError(f"the constant arm copies {cfg.control_of!r}: add it to the arms")
     ready = [(a, s) for s in seeds for a in arms if not (copies and a == "constant")]
     waiting = [s for s in seeds if copies]
 

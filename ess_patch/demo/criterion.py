@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..early_warning import DEFAULT_PATIENCE, DEFAULT_THRESHOLD, firings
+from ..errors import EssPatchValueError
 from .report import smooth as trailing_mean
 
 __all__ = [
@@ -129,7 +130,7 @@ def judge(
         ValueError: no records.
     """
     if not records:
-        raise ValueError("judge(): no records")
+        raise EssPatchValueError("judge(): no records")
     onsets: dict[str, int] = {}
     bad = _finite(records)
     if bad is not None:

@@ -27,6 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from ..errors import EssPatchError
 from .train import DemoConfig
 
 __all__ = ["DemoError", "launch"]
@@ -56,7 +57,7 @@ _QUIET_WARNINGS = ",".join(
 )
 
 
-class DemoError(RuntimeError):
+class DemoError(EssPatchError, RuntimeError):
     """A demo rank failed; the message names it and carries its traceback."""
 
 

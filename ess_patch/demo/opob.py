@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..baseline import NonFiniteBaselineInputError, min_variance_baseline
+from ..errors import EssPatchRuntimeError, EssPatchValueError
 from ..per_trajectory import PerTrajectoryGrads
 
 __all__ = ["BaselineGlue"]
@@ -69,12 +70,12 @@ class BaselineGlue:
         config = model.config
         original = getattr(config, "finalize_model_grads_func", None)
         if original is None:
-            raise ValueError(
+            raise EssPatchValueError(
                 "BaselineGlue: model.config.finalize_model_grads_func is None; set it (megatron's "
                 "finalize_model_grads) before building the glue, which wraps it"
             )
         if ddp is not None and getattr(ddp, "module", model) is not model:
-            raise ValueError("BaselineGlue: ddp.module is not the model given")
+            raise EssPatchValueError("BaselineGlue: ddp.module is not the model given")
         self.grads = PerTrajectoryGrads(model, tp_group=tp_group, pp_group=pp_group)
         several = dp_group is not None and dist.get_world_size(dp_group) > 1
         self.dp_group = dp_group if several else None
@@ -100,18 +101,20 @@ class BaselineGlue:
         r = torch.as_tensor(rewards).detach().flatten()
         ids = torch.as_tensor(group_ids).detach().flatten()
         if r.numel() != ids.numel():
-            raise ValueError(
+            raise EssPatchValueError(
                 f"BaselineGlue.begin: {r.numel()} rewards but {ids.numel()} group ids; give one "
                 "of each per trajectory of this DP rank"
             )
         if ids.is_floating_point() or ids.is_complex():
-            raise ValueError("BaselineGlue.begin: group_ids must be integers (prompt-group ids)")
+            raise EssPatchValueError(
+                "BaselineGlue.begin: group_ids must be integers (prompt-group ids)"
+            )
         self._rewards, self._group_ids = r, ids
         self.grads.start()
 
     def _finalize(self, *args: Any, **kwargs: Any) -> Any:
         if self._rewards is None or self._group_ids is None:
-            raise RuntimeError(
+            raise EssPatchRuntimeError(
                 "BaselineGlue: a training step finished without begin(rewards, group_ids); the "
                 "loss carries no advantage, so this gradient would be wrong. Call glue.begin() "
                 "before forward_backward (or glue.remove() for an arm without the baseline)"
@@ -177,7 +180,7 @@ class BaselineGlue:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.dp_group)
         rows_any, rewards_any, norms_any = (bool(f > 0) for f in flags)
         if rows_any:
-            raise RuntimeError(
+            raise EssPatchRuntimeError(
                 f"BaselineGlue: the step trained {n} trajectories on this rank but begin() got "
                 f"{self._rewards.numel()} rewards"
                 + ("" if rows_bad else " (on another rank: this rank's count was right)")

@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from ..errors import EssPatchRuntimeError, EssPatchValueError
 from .task import VOCAB
 
 __all__ = [
@@ -84,9 +85,9 @@ class PolicySpec:
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden", "heads", "vocab", "max_len"):
             if getattr(self, name) < 1:
-                raise ValueError(f"PolicySpec.{name}={getattr(self, name)} must be >= 1")
+                raise EssPatchValueError(f"PolicySpec.{name}={getattr(self, name)} must be >= 1")
         if self.hidden % self.heads:
-            raise ValueError(f"PolicySpec: hidden {self.hidden} is not a multiple of heads")
+            raise EssPatchValueError(f"PolicySpec: hidden {self.hidden} is not a multiple of heads")
 
 
 def transformer_config(
@@ -253,7 +254,7 @@ class RolloutEngine:
         """The engine's log-probs of given responses, teacher-forced through the same
         KV-cache pass as :meth:`sample` (so a run can replay another run's tokens)."""
         if tokens.shape[0] != prompts.shape[0]:
-            raise ValueError(
+            raise EssPatchValueError(
                 f"score: {tokens.shape[0]} responses for {prompts.shape[0]} prompts; give one each"
             )
 
@@ -273,7 +274,7 @@ class RolloutEngine:
 
         b, p = prompts.shape
         if p + response_len > self.spec.max_len:
-            raise ValueError(
+            raise EssPatchValueError(
                 f"prompt {p} + response {response_len} tokens exceed the model's max_len "
                 f"{self.spec.max_len}: build the PolicySpec with a larger max_len"
             )
@@ -328,7 +329,7 @@ def single_process(directory: str | None = None) -> Iterator[None]:
     from .cpu import megatron_on_cpu
 
     if dist.is_initialized():
-        raise RuntimeError(
+        raise EssPatchRuntimeError(
             "single_process(): torch.distributed is already initialised in this process; "
             "initialise megatron's parallel_state yourself and use build_policy directly"
         )

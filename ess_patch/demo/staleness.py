@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import random
 
+from ..errors import EssPatchValueError
+
 __all__ = ["DRIFT_PERIOD", "VARYING", "step_lag"]
 
 #: Steps of one drift cycle (0 -> max_lag -> 0): 4 cycles in the collapse scenario's 400.
@@ -33,5 +35,5 @@ def step_lag(schedule: str, step: int, max_lag: int, seed: int) -> int:
         rng = random.Random(seed * 1_000_003 + step)
         lag = rng.choices(range(max_lag + 1), weights=weights)[0]
     else:
-        raise ValueError(f"staleness schedule {schedule!r}: give one of {VARYING}")
+        raise EssPatchValueError(f"staleness schedule {schedule!r}: give one of {VARYING}")
     return min(step, lag)

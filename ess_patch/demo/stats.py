@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..errors import EssPatchValueError
+
 __all__ = ["Paired", "bootstrap_ci", "paired"]
 
 
@@ -21,9 +23,9 @@ def bootstrap_ci(
     ``(m[floor(a * R)], m[ceil((1 - a) * R) - 1])`` with ``a = (1 - level) / 2``.
     """
     if not values:
-        raise ValueError("bootstrap_ci needs at least one value")
+        raise EssPatchValueError("bootstrap_ci needs at least one value")
     if not 0.0 < level < 1.0:
-        raise ValueError(f"level={level} must be in (0, 1)")
+        raise EssPatchValueError(f"level={level} must be in (0, 1)")
     rng = random.Random(seed)
     n = len(values)
     means = sorted(sum(rng.choices(values, k=n)) / n for _ in range(resamples))
@@ -53,7 +55,7 @@ def paired(
 ) -> Paired:
     """Paired differences ``values[i] - base_values[i]`` (same seed ``i``) and their summary."""
     if len(values) != len(base_values) or not values:
-        raise ValueError(
+        raise EssPatchValueError(
             f"paired({arm!r}, {base!r}): need the same non-zero number of seeds, got "
             f"{len(values)} and {len(base_values)}"
         )

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import EssLrConfig
+from ..errors import EssPatchValueError
 from . import report, stats
 from .train import DemoConfig
 
@@ -219,7 +220,7 @@ def run_stress(
     from .launch import launch
 
     if seeds < 2:
-        raise ValueError(f"seeds={seeds}: paired statistics need at least 2 seeds")
+        raise EssPatchValueError(f"seeds={seeds}: paired statistics need at least 2 seeds")
     lags = sorted({cfg.lag, *(lags or ())})
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -17,12 +17,14 @@ from pathlib import Path
 
 import torch
 
+from ..errors import EssPatchError
+
 __all__ = ["TAPE_MODES", "RolloutTape", "TapeError"]
 
 TAPE_MODES = ("record", "replay")
 
 
-class TapeError(FileNotFoundError):
+class TapeError(EssPatchError, FileNotFoundError):
     """A replayed run asks for a step the tape does not hold (or holds in another shape)."""
 
 

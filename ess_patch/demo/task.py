@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import EssPatchValueError
+
 __all__ = [
     "DIGITS",
     "SEP",
@@ -37,9 +39,9 @@ VOCAB = 16
 
 def _check(task: str, n: int) -> None:
     if task not in TASKS:
-        raise ValueError(f"task={task!r}: give one of {TASKS}")
+        raise EssPatchValueError(f"task={task!r}: give one of {TASKS}")
     if n < 1:
-        raise ValueError(f"response length {n} must be >= 1")
+        raise EssPatchValueError(f"response length {n} must be >= 1")
 
 
 def prompt_length(task: str, n: int) -> int:
@@ -78,5 +80,7 @@ def targets(task: str, prompts: torch.Tensor, n: int) -> torch.Tensor:
 def rewards(responses: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
     """Fraction of positions where ``responses`` matches ``answer``, per row (float32)."""
     if responses.shape != answer.shape:
-        raise ValueError(f"responses {tuple(responses.shape)} vs answers {tuple(answer.shape)}")
+        raise EssPatchValueError(
+            f"responses {tuple(responses.shape)} vs answers {tuple(answer.shape)}"
+        )
     return (responses == answer).float().mean(dim=1)

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from .. import EssLrConfig, arm, calibration, compute_ess_lr, disarm
+from ..errors import EssPatchError, EssPatchValueError
 from . import task as task_mod
 from .policy import (
     PolicySpec,
@@ -110,7 +111,7 @@ HEADS = 4
 MIN_RESPONSE, MAX_RESPONSE = 1, 256
 
 
-class DemoConfigError(ValueError):
+class DemoConfigError(EssPatchError, ValueError):
     """A :class:`DemoConfig` field is out of range; ``field`` names it (the CLI: a flag)."""
 
     def __init__(self, field: str, value: Any, problem: str) -> None:
@@ -484,12 +485,14 @@ def _load_init(model: Any, cfg: DemoConfig) -> None:
             out[mine] = local[mine]
             continue
         if name not in source:
-            raise ValueError(f"init_weights {cfg.init_weights}: no {name!r} (another model?)")
+            raise EssPatchValueError(
+                f"init_weights {cfg.init_weights}: no {name!r} (another model?)"
+            )
         value = source[name]
         dims = [d for d, (a, b) in enumerate(zip(local[mine].shape, value.shape)) if a != b]
         if dims:
             if len(dims) != 1 or value.shape[dims[0]] != local[mine].shape[dims[0]] * cfg.tp:
-                raise ValueError(
+                raise EssPatchValueError(
                     f"init_weights {cfg.init_weights}: {name!r} has shape "
                     f"{tuple(value.shape)}, this rank's {tuple(local[mine].shape)} (tp={cfg.tp})"
                 )

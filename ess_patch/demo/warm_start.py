@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..errors import EssPatchValueError
 from . import task as task_mod
 from .policy import PolicySpec
 
@@ -50,7 +51,9 @@ class WarmStart:
 
     def __post_init__(self) -> None:
         if self.steps < 0 or self.batch < 1 or not self.lr > 0:
-            raise ValueError(f"WarmStart: steps >= 0, batch >= 1 and lr > 0 needed, got {self}")
+            raise EssPatchValueError(
+                f"WarmStart: steps >= 0, batch >= 1 and lr > 0 needed, got {self}"
+            )
 
     def spec(self) -> PolicySpec:
         n = self.response_len

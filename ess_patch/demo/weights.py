@@ -35,6 +35,7 @@ from .. import calibration
 from ..analyze.advice import TokenStats, advise, evidence, on_policy_product_rho, token_stats
 from ..compute import compute_ess_lr
 from ..config import EssLrConfig
+from ..errors import EssPatchRuntimeError, EssPatchValueError
 
 __all__ = ["LEVELS", "WeightsConfig", "WeightsResult", "quick_weights_config", "run_weights"]
 
@@ -73,16 +74,18 @@ class WeightsConfig:
 
     def __post_init__(self) -> None:
         if not self.lengths or min(self.lengths) < 1:
-            raise ValueError(f"lengths {self.lengths}: give response lengths >= 1")
+            raise EssPatchValueError(f"lengths {self.lengths}: give response lengths >= 1")
         if 0 not in self.lags or min(self.lags) < 0:
-            raise ValueError(f"lags {self.lags}: give lags >= 0, including 0")
+            raise EssPatchValueError(f"lags {self.lags}: give lags >= 0, including 0")
         if not 1 <= self.calibrate < self.rollouts:
-            raise ValueError(
+            raise EssPatchValueError(
                 f"calibrate {self.calibrate}, rollouts {self.rollouts}: calibrate on at least "
                 "one rollout and keep at least one to measure"
             )
         if self.batch < 2 or self.batch % self.group_size:
-            raise ValueError(f"batch {self.batch}: a multiple of group_size {self.group_size}")
+            raise EssPatchValueError(
+                f"batch {self.batch}: a multiple of group_size {self.group_size}"
+            )
 
 
 def quick_weights_config(**overrides: Any) -> WeightsConfig:
@@ -217,7 +220,9 @@ def _cell(cfg: WeightsConfig, length: int, name: str, level: float, noisy: list)
     for rlp, train in noisy[: cfg.calibrate]:
         status = _results(rlp, train[0], calibrated).status
         if status != "calibrating":
-            raise RuntimeError(f"the weights scenario expected a calibrating result, got {status}")
+            raise EssPatchRuntimeError(
+                f"the weights scenario expected a calibrating result, got {status}"
+            )
     rows = []
     lag0_stats: list[TokenStats] = []
     lag0_scales: dict[str, list[float]] = {"geometric": [], "product": []}

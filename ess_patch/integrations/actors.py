@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ENV_NAMES, EssLrConfig
+from ..errors import EssPatchValueError
 from ..guard import AUTO_INSTALL, refuse
 from ..guard import auto_install_requested as requested
 from .flags import EXPLICIT_NONE, config_from_args, option_for
@@ -125,7 +126,7 @@ def check_in_actor(framework: str, args: Any) -> bool:
     differ = sorted(k for k in mine if driver.get(k) != mine[k])
     if differ:
         said = "; ".join(f"{k}={mine[k]!r} here, {driver.get(k)!r} in the driver" for k in differ)
-        raise ValueError(
+        raise EssPatchValueError(
             f"ess-patch ({framework}): this train actor's ESS_LR_* disagree with the driver's "
             f"({said}); the actors use the settings the driver resolved (args.ess_lr_*). Set "
             f"them in one place: as flags ({', '.join(option_for(_field(k)) for k in differ)}) "

@@ -18,6 +18,7 @@ from dataclasses import MISSING, Field, fields, replace
 from typing import Any
 
 from ..config import CHOICES, HELP, EssLrConfig
+from ..errors import EssPatchValueError
 from ..state import STATE
 
 __all__ = [
@@ -158,7 +159,7 @@ def add_ess_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         if action is None:
             missing.append((flags, kwargs))
         elif action.dest != dest:
-            raise ValueError(
+            raise EssPatchValueError(
                 f"the host parser already defines {flags[0]} with dest={action.dest!r}; "
                 f"ess-patch reads args.{dest}. Rename the host's option or give it "
                 f"dest={dest!r}, so that --use-ess-lr and its options are not silently ignored"

@@ -31,6 +31,7 @@ from typing import Any
 
 from .. import ledger
 from ..config import EssLrConfig
+from ..errors import EssPatchRuntimeError, EssPatchTypeError, EssPatchValueError
 from ..ledger import LedgerRun
 from ..patching import Target
 from ..state import STATE
@@ -111,7 +112,7 @@ def policy_loss_wrapper(
         call = bind(wrapped, args, kwargs)
         batch = None if call is None else call.arguments.get("batch")
         if batch is None:
-            raise ValueError(
+            raise EssPatchValueError(
                 f"ess-patch ({run.framework}): the policy loss was called without a batch "
                 "argument; ESS-LR cannot measure this step"
             )
@@ -141,7 +142,7 @@ def _log_probs_of(returned: Any) -> list:
     if isinstance(found, tuple):
         found = next((item for item in found if isinstance(item, dict)), None)
     if not isinstance(found, dict) or found.get("log_probs") is None:
-        raise TypeError(
+        raise EssPatchTypeError(
             "get_log_probs_and_entropy returned no 'log_probs' (got "
             f"{type(returned).__name__}); ess-patch does not know this host version's shape"
         )
@@ -154,14 +155,14 @@ def _partial_sums(run: LedgerRun, batch: dict, capture: list) -> Any:
     from ..estimator import trajectory_stats
 
     if not capture:
-        raise RuntimeError(
+        raise EssPatchRuntimeError(
             f"ess-patch ({run.framework}): the policy loss computed its log-probs without "
             "get_log_probs_and_entropy; ESS-LR cannot measure this step"
         )
     log_probs = [lp.detach() for lp in _log_probs_of(capture[0])]
     rollout = batch.get("rollout_log_probs")
     if not rollout:
-        raise ValueError(
+        raise EssPatchValueError(
             f"ess-patch ({run.framework}): the policy loss's batch has no rollout_log_probs; "
             "ESS-LR needs the rollout engine's log-probs (the rollout must record them)"
         )

@@ -43,6 +43,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .. import collapse_warning
+from ..errors import EssPatchValueError
 from ..guard import arm, refuse
 from ..patching import MissingTargetError, Target
 from ..state import STATE, armed, disarm
@@ -284,7 +285,7 @@ def _unpacked_inputs(inference_list: Any, old: Any, generation_masks: Any, padde
     """One trajectory per row with a scored position; the values upstream's statistics and
     loss use (its aligned tensor ``padded``)."""
     if inference_list is None:
-        raise ValueError(
+        raise EssPatchValueError(
             f"ess-patch ({NAME}): the rollouts carry no inference log-probs "
             "(inference_logprobs is None)"
         )
@@ -293,13 +294,13 @@ def _unpacked_inputs(inference_list: Any, old: Any, generation_masks: Any, padde
         or len(inference_list) != old.shape[0]
         or generation_masks.shape[0] != old.shape[0]
     ):
-        raise ValueError(
+        raise EssPatchValueError(
             f"ess-patch ({NAME}): {len(inference_list)} inference log-prob tensors and "
             f"generation masks {tuple(generation_masks.shape)} for old log-probs of shape "
             f"{tuple(old.shape)} (one per trajectory expected)"
         )
     if padded.shape != old.shape:
-        raise ValueError(
+        raise EssPatchValueError(
             f"ess-patch ({NAME}): aligned inference log-probs {tuple(padded.shape)} and old "
             f"log-probs {tuple(old.shape)} must have the same shape"
         )
@@ -324,7 +325,7 @@ def _packed_inputs(old: Any, packed_inference: Any, packed_loss_mask: Any, fille
     context = getattr(get_rl_runtime_state(), "packing_context", None)
     info = getattr(context, "packing_info", None)
     if info is None:
-        raise ValueError(
+        raise EssPatchValueError(
             f"ess-patch ({NAME}): sequence packing without a packing context "
             "(get_rl_runtime_state().packing_context.packing_info): the trajectory "
             "boundaries are unknown"
@@ -332,13 +333,13 @@ def _packed_inputs(old: Any, packed_inference: Any, packed_loss_mask: Any, fille
     old, packed_inference = old.cpu(), packed_inference.cpu()
     mask = packed_loss_mask.cpu()[:, 1:].bool()
     if old.shape != packed_inference.shape or mask.shape != old.shape:
-        raise ValueError(
+        raise EssPatchValueError(
             f"ess-patch ({NAME}): packed old log-probs {tuple(old.shape)}, inference "
             f"log-probs {tuple(packed_inference.shape)} and loss mask "
             f"{tuple(packed_loss_mask.shape)} (minus its first column) do not line up"
         )
     if len(info.bin_seq_indices) != old.shape[0]:
-        raise ValueError(
+        raise EssPatchValueError(
             f"ess-patch ({NAME}): {len(info.bin_seq_indices)} bins in the packing info, "
             f"{old.shape[0]} rows of packed log-probs"
         )
@@ -357,7 +358,7 @@ def _packed_inputs(old: Any, packed_inference: Any, packed_loss_mask: Any, fille
     scored &= mask
     if filled is not None:  # the release's own mark: never count a position it left out
         if filled.shape != mask.shape:
-            raise ValueError(
+            raise EssPatchValueError(
                 f"ess-patch ({NAME}): filled_mask {tuple(filled.shape)} and packed old "
                 f"log-probs {tuple(old.shape)} do not line up"
             )
@@ -583,7 +584,7 @@ def parse_args_wrapper(
             MEGATRON_RL_HISTORY.clear()
             MEGATRON_RL_HISTORY.choose_all()
     elif requested and host_flags and not host_flags[0]:
-        raise ValueError(
+        raise EssPatchValueError(
             "--use-ess-lr (or --ess-lr-shadow) was given to Megatron's parse_args, but this is "
             "not a Megatron-RL run (no --perform-rl-step) and no RL framework that ess-patch "
             "integrates with (miles, slime) declared the flag: nothing would measure the ESS. "

@@ -54,6 +54,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..attach import attach
+from ..errors import EssPatchValueError
 from ..patching import Target
 from . import Integration
 from .binding import bind, call_with
@@ -118,7 +119,7 @@ def _groups_from_getter(dp_field: str) -> Callable[[Mapping[str, Any]], Groups]:
 def _groups_from_argument(call: Mapping[str, Any]) -> Groups:
     state = call.get("parallel_state")
     if state is None:
-        raise ValueError(
+        raise EssPatchValueError(
             f"ess-patch (miles): {_ADVANTAGE} was called without its parallel_state argument; "
             "ESS-LR needs its dp_group / cp_group"
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import EssPatchKeyError
 from . import Integration
 from .megatron import MEGATRON
 from .megatron_rl import MEGATRON_RL
@@ -92,7 +93,9 @@ def component(name: str) -> Component:
     for row in COMPONENTS:
         if name in (row.name, row.folder, *row.aliases):
             return row
-    raise KeyError(f"unknown component {name!r}; known: {', '.join(c.name for c in COMPONENTS)}")
+    raise EssPatchKeyError(
+        f"unknown component {name!r}; known: {', '.join(c.name for c in COMPONENTS)}"
+    )
 
 
 def by_folder(folder: str) -> Component:
@@ -100,4 +103,4 @@ def by_folder(folder: str) -> Component:
     for row in COMPONENTS:
         if row.folder == folder:
             return row
-    raise KeyError(f"no component has patches/{folder}/")
+    raise EssPatchKeyError(f"no component has patches/{folder}/")

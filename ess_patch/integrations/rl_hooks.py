@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 from .. import collapse_warning, ledger
 from ..config import EssLrConfig
+from ..errors import EssPatchValueError
 from ..guard import applied_scale, arm, check_applier, refuse
 from ..patching import MissingTargetError, Target
 from ..result import EssLrResult
@@ -119,7 +120,7 @@ def validate(framework: Framework, args: argparse.Namespace) -> None:
     if not (enabled or shadow):
         return
     if enabled and shadow:
-        raise ValueError(
+        raise EssPatchValueError(
             "--use-ess-lr and --ess-lr-shadow (or ESS_LR_SHADOW=1) are both on: shadow mode "
             "never changes an LR, --use-ess-lr does. Keep one of them "
             f"({framework.name})"
@@ -127,18 +128,18 @@ def validate(framework: Framework, args: argparse.Namespace) -> None:
     flag = "--use-ess-lr" if enabled else "--ess-lr-shadow"
     config = config_from_args(args)  # field checks (e.g. a floor set programmatically)
     if config.granularity == "step" and framework.measure_in_loss is None:
-        raise ValueError(
+        raise EssPatchValueError(
             f"{flag} with granularity 'step' (--ess-lr-granularity / ESS_LR_GRANULARITY) is "
             f"not supported with {framework.name}: ess-patch measures each optimizer step "
             "inside the policy loss and has no loss hook there. Use granularity 'rollout'"
         )
     reason = framework.unsupported_reason(args)
     if reason:
-        raise ValueError(f"{flag} is not supported with {reason} ({framework.name})")
+        raise EssPatchValueError(f"{flag} is not supported with {reason} ({framework.name})")
     if getattr(args, "compute_advantages_and_returns", True) is False:
         # miles and slime: store_false into args.compute_advantages_and_returns (meant for
         # SFT); the actor then never calls the advantage routine ESS-LR hooks into
-        raise ValueError(
+        raise EssPatchValueError(
             f"{flag} cannot act with --disable-compute-advantages-and-returns: the actor then "
             "never computes advantages, where ESS-LR measures each rollout, and the LR would "
             f"never be scaled ({framework.name}). Drop {flag} or "
@@ -146,7 +147,7 @@ def validate(framework: Framework, args: argparse.Namespace) -> None:
         )
     reason = framework.no_input_reason(args)
     if reason:
-        raise ValueError(
+        raise EssPatchValueError(
             f"{flag} cannot measure the current policy against the rollout policy as this run "
             f"is configured: {reason} ({framework.name}). Drop {flag} or change that setting"
         )
@@ -379,7 +380,7 @@ def _local_masks(masks: Any, groups: Groups, args: Any, rollout_data: dict) -> A
         return masks
     lengths = [rollout_data.get(k) for k in ("total_lengths", "response_lengths")]
     if None in lengths:
-        raise ValueError(
+        raise EssPatchValueError(
             "rollout_data has loss_masks but no total_lengths/response_lengths: "
             "ESS-LR cannot slice the masks to this CP rank's tokens"
         )

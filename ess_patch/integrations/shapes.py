@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import EssPatchKeyError
 from ..patching import MissingTargetError
 from ..state import register_cache
 
@@ -131,7 +132,7 @@ class History:
         for aspect in self.aspects:
             if aspect.name == name:
                 return aspect
-        raise KeyError(f"{self.framework} has no aspect {name!r}")
+        raise EssPatchKeyError(f"{self.framework} has no aspect {name!r}")
 
     def choose(self, name: str) -> Shape:
         """The shape of aspect ``name`` in this process (detected once, then recorded).

@@ -88,7 +88,8 @@ from typing import Any
 
 from .. import collapse_warning
 from ..config import EssLrConfig
-from ..guard import allow_unscaled, applied_scale, arm
+from ..errors import EssPatchValueError, FailClosedNotImplementedError
+from ..guard import allow_unscaled, applied_scale, arm, refuse
 from ..patching import FailClosedError, MissingTargetError, Target
 from ..result import EssLrResult
 from ..state import disarm
@@ -162,19 +163,19 @@ def _tensors(data: Any) -> tuple[list[Any], list[Any], list[Any]]:
     batch = data.batch if hasattr(data, "non_tensor_batch") else data  # DataProto or TensorDict
     keys = set(batch.keys())
     if "rollout_log_probs" not in keys:
-        raise ValueError(
+        raise EssPatchValueError(
             "ESS-LR (verl): the actor's batch has no rollout_log_probs, so there is nothing to "
             "measure the policy against. Set actor_rollout_ref.rollout.calculate_log_probs=True "
             "(the rollout engine then returns them), or turn ESS-LR off"
         )
     if "old_log_probs" not in keys:
-        raise ValueError("ESS-LR (verl): the actor's batch has no old_log_probs")
+        raise EssPatchValueError("ESS-LR (verl): the actor's batch has no old_log_probs")
     if "response_mask" in keys:
         mask = _rows(batch["response_mask"])
     elif {"attention_mask", "responses"} <= keys:  # older verl: the actor derived it so
         mask = list(batch["attention_mask"][:, -batch["responses"].shape[-1] :])
     else:
-        raise ValueError(
+        raise EssPatchValueError(
             "ESS-LR (verl): the actor's batch has neither response_mask nor attention_mask "
             "and responses to tell which tokens count"
         )
@@ -189,7 +190,7 @@ def _check_not_bypassed(old: list[Any], rollout: list[Any], mask: list[Any]) -> 
     if not any(bool(m.any()) for m in counted):
         return
     if all(torch.equal(o[m], r[m]) for o, r, m in zip(old, rollout, counted, strict=True)):
-        raise ValueError(
+        raise EssPatchValueError(
             "ESS-LR (verl): old_log_probs equal rollout_log_probs on every token "
             "(algorithm.rollout_correction.bypass_mode=True copies them): the ratio is "
             "1 and the ESS would measure nothing. Turn bypass_mode off (verl then "
@@ -268,10 +269,12 @@ def _strategy(actor_config: Any) -> Any:
 
 def _refuse_other_backends(strategy: Any) -> None:
     if strategy not in (None, "megatron"):
-        raise NotImplementedError(
-            f"ESS-LR (verl) supports the Megatron actor (actor_rollout_ref.actor.strategy="
-            f"megatron); strategy {strategy!r} is not supported and would never be scaled. "
-            "Turn ESS-LR off (ESS_LR_ENABLE, actor.ess_scaling.enable) or use Megatron"
+        refuse(
+            "verl",
+            f"strategy {strategy!r} is not supported and would never be scaled (ESS-LR (verl) "
+            "supports the Megatron actor, actor_rollout_ref.actor.strategy=megatron)",
+            "Use the Megatron actor, or turn ESS-LR off (ESS_LR_ENABLE, actor.ess_scaling.enable)",
+            kind=FailClosedNotImplementedError,
         )
 
 
@@ -335,19 +338,14 @@ def tinker_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwar
     if instance is None:
         return wrapped(*args, **kwargs)
     actor_config = getattr(getattr(instance, "config", None), "actor", None)
-    if settings(actor_config) is not None and not allow_unscaled():
-        raise NotImplementedError(
-            f"ESS-LR (verl): the Tinker worker ({type(instance).__name__}.forward_backward / "
-            "optimizer_step) trains the actor outside update_actor / train_batch, where "
-            "ESS-LR measures each mini-batch, so its optimizer steps would run at the "
-            "scheduled LR. Train through update_actor (verl's PPO trainer), or turn "
-            "ESS-LR off (ESS_LR_ENABLE, actor.ess_scaling.enable, ESS_LR_SHADOW)"
-        )
     if settings(actor_config) is not None:
-        logger.warning(
-            "ess-patch (verl, opt-out ESS_PATCH_ALLOW_UNSCALED): going on unscaled: the Tinker "
-            "worker's %s steps the actor at the scheduled LR",
-            wrapped.__name__,
+        refuse(
+            "verl",
+            f"the Tinker worker ({type(instance).__name__}.{wrapped.__name__}) trains the actor "
+            "outside update_actor / train_batch, where ESS-LR measures each mini-batch",
+            "Train through update_actor (verl's PPO trainer), or turn ESS-LR off (ESS_LR_ENABLE, "
+            "actor.ess_scaling.enable, ESS_LR_SHADOW)",
+            kind=FailClosedNotImplementedError,
         )
     return wrapped(*args, **kwargs)
 
@@ -466,7 +464,7 @@ def update_policy_wrapper(
     if chosen.config.granularity == "rollout":
         rollout = vars(instance).pop(_ROLLOUT_RESULT, None)
         if rollout is None:
-            raise ValueError(
+            raise EssPatchValueError(
                 "ESS-LR (verl) granularity 'rollout': update_policy got a dataloader that "
                 "make_minibatch_iterator did not make, so the rollout's ESS is unknown. Use "
                 "ESS_LR_GRANULARITY=step"

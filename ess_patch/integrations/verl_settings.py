@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..config import EssLrConfig
+from ..errors import EssPatchValueError
 from ..state import STATE
 from .binding import bind, call_with
 
@@ -54,7 +55,7 @@ def _flag(name: str, value: Any) -> bool:
     text = str(value).strip().lower()
     if text in _TRUE or text in _FALSE:
         return text in _TRUE
-    raise ValueError(f"{name}={value!r} must be a bool: 1/0/true/false")
+    raise EssPatchValueError(f"{name}={value!r} must be a bool: 1/0/true/false")
 
 
 def _plain(node: Any) -> Any:
@@ -85,10 +86,10 @@ def vcpo_scaling(actor_config: Any) -> dict[str, Any] | None:
         return None
     scaling = _plain(node)
     if not isinstance(scaling, dict):
-        raise ValueError(f"actor.ess_scaling must be a mapping of {', '.join(VCPO_KEYS)}")
+        raise EssPatchValueError(f"actor.ess_scaling must be a mapping of {', '.join(VCPO_KEYS)}")
     unknown = sorted(set(scaling) - set(VCPO_KEYS))
     if unknown:
-        raise ValueError(
+        raise EssPatchValueError(
             f"actor.ess_scaling has unknown key(s) {', '.join(unknown)}; ess-patch reads "
             f"{', '.join(VCPO_KEYS)}"
         )
@@ -119,7 +120,7 @@ def settings(actor_config: Any, environ: Mapping[str, str] | None = None) -> Ver
     if not (enabled or base.shadow):
         return None
     if enabled and base.shadow:
-        raise ValueError(
+        raise EssPatchValueError(
             "ESS-LR is enabled (ESS_LR_ENABLE or actor.ess_scaling.enable) and shadow mode "
             "(ESS_LR_SHADOW) is on: shadow mode never changes an LR. Keep one of them (verl)"
         )
@@ -136,7 +137,7 @@ def settings(actor_config: Any, environ: Mapping[str, str] | None = None) -> Ver
         if _flag("actor.ess_scaling.use_clipped", scaling.get("use_clipped", False)):
             clip = scaling.get("rollout_is_threshold", base.weight_clip)
             if clip is None:
-                raise ValueError(
+                raise EssPatchValueError(
                     "actor.ess_scaling.use_clipped is true but no threshold is known: verl's "
                     "actor never sees algorithm.rollout_correction.rollout_is_threshold. Set "
                     "actor.ess_scaling.rollout_is_threshold or ESS_LR_WEIGHT_CLIP to it"

@@ -35,6 +35,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from .. import __version__
+from ..errors import EssPatchRuntimeError
 from ..integrations.registry import component
 from .apply import PatchStatus, State, apply_series, check_series, conflicting_files, revert_series
 from .series import PatchsetError, discover, patches_dir
@@ -265,7 +266,9 @@ def upstream_versions(minimum: str = MINIMUM, python: str = PYTHON) -> list[str]
     out = _pip("index", "versions", DISTRIBUTION, "--python-version", python, "--only-binary=:all:")
     match = re.search(r"^Available versions: (.+)$", out.stdout, re.MULTILINE)
     if out.returncode != 0 or not match:
-        raise RuntimeError(f"pip index versions {DISTRIBUTION} failed: {out.stderr.strip()}")
+        raise EssPatchRuntimeError(
+            f"pip index versions {DISTRIBUTION} failed: {out.stderr.strip()}"
+        )
     found = []
     for text in match.group(1).split(","):
         try:
@@ -295,7 +298,9 @@ def fetch_wheel(version: str, cache: Path, python: str = PYTHON) -> Path:
         )
         have = sorted(cache.glob(pattern))
         if out.returncode != 0 or not have:
-            raise RuntimeError(f"pip download {DISTRIBUTION}=={version} failed: {out.stderr}")
+            raise EssPatchRuntimeError(
+                f"pip download {DISTRIBUTION}=={version} failed: {out.stderr}"
+            )
     return have[0]
 
 

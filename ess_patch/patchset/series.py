@@ -12,6 +12,8 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
+from ..errors import EssPatchError
+
 __all__ = [
     "COMMIT",
     "DIFF_HEADER",
@@ -29,7 +31,7 @@ __all__ = [
 ]
 
 
-class PatchsetError(Exception):
+class PatchsetError(EssPatchError):
     """A series cannot be used on this tree; the message says why and names the file."""
 
 

@@ -111,7 +111,7 @@ def _expected(fault: str, coords: tuple[int, int]) -> set[str]:
             return {"NonFiniteLogProbError"}
         return {"NonFiniteLogProbError", "InvalidInputsElsewhereError"}
     if fault == "count":
-        return {"ValueError"} if coords[0] == FAULTY[0] else {"InvalidInputsElsewhereError"}
+        return {"EssPatchValueError"} if coords[0] == FAULTY[0] else {"InvalidInputsElsewhereError"}
     return {"ConfigMismatchError", "InvalidInputsElsewhereError"}
 
 

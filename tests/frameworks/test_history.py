@@ -164,7 +164,9 @@ def test_each_snapshot_gets_its_shape_metrics_flags_and_clear_errors(fw, folder,
         in parse["no_train_logprobs"]["error"]
     )
     if "multi_lora" in parse:  # the versions whose parser has --multi-lora-n-adapters
-        assert parse["multi_lora"]["error"].startswith("ValueError: --use-ess-lr is not supported")
+        assert parse["multi_lora"]["error"].startswith(
+            "EssPatchValueError: --use-ess-lr is not supported"
+        )
         assert "multi-LoRA" in parse["multi_lora"]["error"]
 
     # removed symbols: one clear error, nothing patched

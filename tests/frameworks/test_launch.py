@@ -178,7 +178,9 @@ def test_disabled_advantages_are_refused_at_parse_time(fw, folder, reports):
         ("disabled_advantages_shadow", "--ess-lr-shadow"),
     ):
         error = plain[case].get("error", "")
-        assert error.startswith(f"ValueError: {flag} cannot act with {DISABLE}"), plain[case]
+        assert error.startswith(f"EssPatchValueError: {flag} cannot act with {DISABLE}"), plain[
+            case
+        ]
         assert f"({fw})" in error and f"Drop {flag} or {DISABLE}" in error
     assert _config(plain["sft"]) == asdict(EssLrConfig())  # without ESS-LR: SFT parses
 
@@ -217,7 +219,7 @@ def test_the_driver_and_its_actors_agree_or_the_run_stops(fw, folder, reports):
     assert out["driver_env"] == CASES["actors_env"]
     assert out["resolved"] == asdict(EssLrConfig(floor=0.3, rule="linear"))
     disagree = out["disagree"]["error"]
-    assert disagree.startswith(f"ValueError: ess-patch ({fw}): this train actor's ESS_LR_*")
+    assert disagree.startswith(f"EssPatchValueError: ess-patch ({fw}): this train actor's ESS_LR_*")
     assert "ESS_LR_FLOOR='0.2' here, '0.3' in the driver" in disagree
 
 

@@ -351,7 +351,9 @@ def test_bad_unpacked_input_is_an_error_on_every_rank(bad, tmp_path):
     culprits = [e for e in errors if not e.startswith("InvalidInputsElsewhereError")]
     # the bad ranks say what is wrong (one for "short", both CP peers of DP rank 1 "missing")
     assert len(culprits) == {"short": 1, "missing": 2}[bad], errors
-    assert all(e.startswith("ValueError: ess-patch (megatron_rl)") for e in culprits), errors
+    assert all(e.startswith("EssPatchValueError: ess-patch (megatron_rl)") for e in culprits), (
+        errors
+    )
     text = " ".join(culprits)
     assert ("inference log-prob tensors" in text) or ("no inference log-probs" in text)
 

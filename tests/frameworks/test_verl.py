@@ -379,9 +379,10 @@ def test_fsdp_actor_and_engine_are_refused_while_on_and_untouched_while_off(tmp_
     names = [n for n, has in (("fsdp", has_legacy_actor), ("engine", has_engine_path)) if has(src)]
     assert names
     for name in names:
-        assert r[f"{name}_1"].startswith("NotImplementedError"), r[f"{name}_1"]
+        # the one fail-closed type (guard.refuse), still a NotImplementedError
+        assert r[f"{name}_1"].startswith("FailClosedNotImplementedError"), r[f"{name}_1"]
         assert "strategy 'fsdp' is not supported" in r[f"{name}_1"]
-        assert not r[f"{name}_0"].startswith("NotImplementedError")  # verl's own error
+        assert not r[f"{name}_0"].startswith("FailClosed")  # verl's own error
 
 
 def _recipe_rank(src: str) -> dict:
@@ -526,7 +527,10 @@ def test_the_tinker_worker_is_refused_while_ess_lr_is_on(tmp_path, src):
     for request in ("env", "vcpo"):
         for call in ("forward_backward", "optimizer_step"):
             error = r[f"{request}_{call}"]
-            assert error.startswith("NotImplementedError: ESS-LR (verl): the Tinker worker"), error
+            assert error.startswith(
+                "FailClosedNotImplementedError: ess-patch (verl): ESS-LR was requested but the "
+                "Tinker worker"
+            ), error
             assert "would run at the scheduled LR" in error and "ESS_LR_ENABLE" in error
     for call in ("forward_backward", "optimizer_step"):  # verl's own assertion: no actor role
         assert r[f"off_{call}"] == f"AssertionError: {call} only support actor role"
