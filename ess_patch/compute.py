@@ -152,7 +152,7 @@ def _on_policy(
             if current is None
             else ("current_version", "policy_versions")
         )
-        return None, TypeError(
+        return None, EssPatchTypeError(
             f"compute_ess_lr: {given} was given without {missing}; pass both (each "
             "trajectory's policy version and the version of the weights being trained) or "
             "neither"

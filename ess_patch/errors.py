@@ -2,9 +2,10 @@
 
 ``except EssPatchError`` catches whatever ess-patch raises on purpose (a bad argument, a bad
 rollout, a missing host symbol, a refused step); ``except ValueError`` (or the class's other
-built-in base) keeps catching what it caught before. :class:`FailClosedError` is the one
-fail-closed type: ESS-LR (or a setting that needs it) was requested and would not be applied,
-so the run stops on every rank instead of training at the scheduled LR.
+built-in base) keeps catching what it caught before. :class:`EssLrNotAppliedError` (alias
+:data:`FailClosedError`) is the one fail-closed type: ESS-LR (or a setting that needs it) was
+requested and would not be applied, so the run stops on every rank instead of training at the
+scheduled LR.
 
 Nothing here imports torch or another ess-patch module: every layer may raise these.
 """
@@ -12,6 +13,7 @@ Nothing here imports torch or another ess-patch module: every layer may raise th
 from __future__ import annotations
 
 __all__ = [
+    "EssLrNotAppliedError",
     "EssPatchError",
     "EssPatchKeyError",
     "EssPatchRuntimeError",
@@ -42,9 +44,14 @@ class EssPatchKeyError(EssPatchError, KeyError):
     """A name ess-patch does not know (the message lists the known ones)."""
 
 
-class FailClosedError(EssPatchError, RuntimeError):
+class EssLrNotAppliedError(EssPatchError, RuntimeError):
     """ESS-LR was requested and would not be applied: the run stops here (on every rank),
-    naming what is missing. ``ESS_PATCH_ALLOW_UNSCALED=1`` is the explicit opt-out."""
+    naming what is missing. ``ESS_PATCH_ALLOW_UNSCALED=1`` is the explicit opt-out. The one
+    fail-closed type (also :data:`FailClosedError`)."""
+
+
+#: The one fail-closed type, by what it is.
+FailClosedError = EssLrNotAppliedError
 
 
 class FailClosedNotImplementedError(FailClosedError, NotImplementedError):

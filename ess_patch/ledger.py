@@ -22,6 +22,7 @@ from typing import Any
 
 from . import collapse_warning
 from .config import EssLrConfig
+from .errors import EssPatchRuntimeError
 from .result import EssLrResult, check_scale
 from .state import STATE, StepCountError, is_scaled
 
@@ -132,7 +133,7 @@ def _step_result(run: LedgerRun) -> EssLrResult | None:
     if run.is_pp_last and not tables and error is None:
         # every micro-batch of the last stage runs the loss: none seen means the policy loss
         # is not hooked here; never a measured-looking no-op
-        error = RuntimeError(
+        error = EssPatchRuntimeError(
             f"ess-patch ({run.framework}): no policy-loss call reached ESS-LR in this optimizer "
             f"step, which it measures inside the loss ({run.reason}); is {run.framework}'s "
             "policy loss patched (ess_patch.install())?"

@@ -23,6 +23,7 @@ __all__ = [
     "ENVELOPE_SIZE",
     "NO_CALIBRATION",
     "ConfigMismatchError",
+    "agree",
     "agreed_calibration",
     "all_gather_rows",
     "all_reduce_sum",
@@ -198,7 +199,7 @@ def check_envelopes(
         counts = ", ".join(
             f"rank {rank} has {int(r[_ROWS])}" for rank, r in zip(ranks, rows, strict=True)
         )
-        return ValueError(
+        return EssPatchValueError(
             f"the {name} ranks hold different numbers of trajectories ({counts}); CP peers must "
             "pass the same samples (each its own chunk of every sample)"
         )
@@ -267,7 +268,7 @@ def broadcast_from_last_stage(
     is_last = dist.get_rank(pp_group) == size - 1
     if is_last and result is None and error is None:
         # it still joins, flagged, so that every stage raises instead of waiting
-        error = ValueError(
+        error = EssPatchValueError(
             f"broadcast_from_last_stage: the last pipeline stage (rank {dist.get_rank()}) passed "
             "nothing; it must compute its result (compute_ess_lr) before broadcasting"
         )
@@ -283,3 +284,35 @@ def broadcast_from_last_stage(
     if fault is not None:
         raise fault
     return result if is_last else EssLrResult.decode(rows[-1, ENVELOPE_SIZE:].tolist())
+
+
+def agree(
+    result: EssLrResult | None,
+    error: BaseException | None,
+    group: object | None,
+    name: str,
+    config: EssLrConfig | None,
+    who: str,
+    why: str,
+) -> BaseException | None:
+    """One all-gather over ``group`` of each rank's envelope and result, for ranks that each
+    computed the same result (e.g. CP or PP peers holding the same whole rows): the error this
+    rank must raise (its own, a peer's failure, other settings), or None. A group of one
+    issues no collective. ``who`` names the caller in a fault's message, ``why`` says what it
+    means that the peers' results differ (the message shows them).
+    """
+    payload = torch.zeros(ENCODED_SIZE, dtype=torch.float64)
+    if error is None:
+        assert result is not None
+        payload = torch.tensor(result.encode(), dtype=torch.float64)
+    row = torch.cat([envelope(failed=error is not None, config=config), payload])
+    rows = all_gather_rows(row, group, name)
+    if error is not None:
+        return error
+    fault = check_envelopes(rows[:, :ENVELOPE_SIZE], name)
+    if fault is None and not bool((rows[:, ENVELOPE_SIZE:] == rows[0, ENVELOPE_SIZE:]).all()):
+        seen = rows[:, ENVELOPE_SIZE:].tolist()
+        fault = EssPatchValueError(
+            f"{who}: the {name} ranks computed different ESS results ({seen}); {why}"
+        )
+    return fault

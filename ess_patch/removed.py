@@ -19,7 +19,7 @@ import dis
 import sys
 from collections.abc import Mapping
 
-from .errors import EssPatchError
+from .errors import EssPatchError, EssPatchTypeError
 
 __all__ = [
     "REMOVED_KEYWORDS",
@@ -112,4 +112,4 @@ def removed_keyword(function: str, keywords: Mapping[str, object]) -> TypeError:
                 f"{instead} {_SEE}"
             )
     first = next(iter(keywords))
-    return TypeError(f"{function}() got an unexpected keyword argument {first!r}")
+    return EssPatchTypeError(f"{function}() got an unexpected keyword argument {first!r}")

@@ -210,7 +210,7 @@ def _no_input_reason(args: argparse.Namespace) -> str | None:
 MEGATRON_RL_FRAMEWORK = Framework(
     name=NAME,
     # CP peers hold the same rows whole: no CP reduction in the estimate; the CP group is
-    # used only to check that the peers agree (see _agree)
+    # used only to check that the peers agree (see reduction.agree)
     groups=megatron_groups,
     no_input_reason=_no_input_reason,
     unsupported_reason=lambda _args: None,
@@ -378,29 +378,11 @@ def _packed_inputs(old: Any, packed_inference: Any, packed_loss_mask: Any, fille
 # --- the ESS of one collection, agreed on every rank -------------------------------------------
 
 
-def _agree(result: Any, error: BaseException | None, group: Any, name: str, config: Any) -> Any:
-    """One all-gather over ``group`` of each rank's envelope and result: the error this rank
-    must raise (a peer's failure, other settings, another result), or None."""
-    import torch
-
-    from ..reduction import ENVELOPE_SIZE, all_gather_rows, check_envelopes, envelope
-    from ..result import ENCODED_SIZE
-
-    payload = torch.zeros(ENCODED_SIZE, dtype=torch.float64)
-    if error is None:
-        payload = torch.tensor(result.encode(), dtype=torch.float64)
-    row = torch.cat([envelope(failed=error is not None, config=config), payload])
-    rows = all_gather_rows(row, group, name)
-    if error is not None:
-        return error
-    fault = check_envelopes(rows[:, :ENVELOPE_SIZE], name)
-    if fault is None and not bool((rows[:, ENVELOPE_SIZE:] == rows[0, ENVELOPE_SIZE:]).all()):
-        fault = ValueError(
-            f"ess-patch ({NAME}): the {name} ranks computed different ESS results "
-            f"({rows[:, ENVELOPE_SIZE:].tolist()}); Megatron-RL gives every {name} peer the "
-            "same whole rows, so this tree splits them in a way ess-patch does not know"
-        )
-    return fault
+#: Why CP / PP peers must agree: a fault when they did not (``reduction.agree``).
+_WHY = (
+    "Megatron-RL gives every {} peer the same whole rows, so this tree splits them in a way "
+    "ess-patch does not know"
+)
 
 
 def _compute_and_arm(args: Any, build: Callable[[], Rows], shadow: bool = False) -> None:
@@ -409,6 +391,7 @@ def _compute_and_arm(args: Any, build: Callable[[], Rows], shadow: bool = False)
     # Imported here: install() (run at start-up) must not import torch.
     from .. import calibration
     from ..compute import compute_ess_lr
+    from ..reduction import agree
 
     groups = MEGATRON_RL_FRAMEWORK.groups()
     config = config_from_args(args)
@@ -417,7 +400,9 @@ def _compute_and_arm(args: Any, build: Callable[[], Rows], shadow: bool = False)
     try:
         inputs = build()
     except Exception as exc:  # inside compute_ess_lr's collectives: its DP peers learn of it
-        fault = exc if isinstance(exc, ValueError) else ValueError(f"ess-patch ({NAME}): {exc}")
+        fault = (
+            exc if isinstance(exc, ValueError) else EssPatchValueError(f"ess-patch ({NAME}): {exc}")
+        )
     error: BaseException | None = None
     result = None
     # what the calibration held before: kept only once every stage agreed on the result
@@ -428,7 +413,7 @@ def _compute_and_arm(args: Any, build: Callable[[], Rows], shadow: bool = False)
     except Exception as exc:
         error = exc
     for group, name in ((groups.cp_group, "CP"), (groups.pp_group, "PP")):
-        error = _agree(result, error, group, name, config)  # no collective on a group of one
+        error = agree(result, error, group, name, config, f"ess-patch ({NAME})", _WHY.format(name))
     if error is not None:
         calibration.restore(before)
         raise error
