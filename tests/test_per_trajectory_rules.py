@@ -193,3 +193,12 @@ def test_tied_embeddings_and_sequence_parallel_are_refused_by_name(world):
     model.config.sequence_parallel = True
     with pytest.raises(UnsupportedModuleError, match="sequence_parallel"):
         PerTrajectoryGrads(model)
+
+
+@pytest.mark.dist
+def test_tp2_modern_rules_match_one_backward_per_trajectory(tmp_path):
+    from harness import run_ranks
+    from per_trajectory_ranks import tp2_modern
+
+    for got in run_ranks(tp2_modern, dp=2, timeout=120, tmp_path=tmp_path):
+        assert got["err_sq"] < 2e-5 and got["err_g"] < 2e-5, got
