@@ -15,13 +15,17 @@ per-trajectory pieces of every parameter's gradient. After the backward:
   (VCPO's ``R_i - b*``), with no second backward. The rewrite happens before the DP
   all-reduce (call it from ``finalize_model_grads``).
 
-Supported modules (all of the demo's GPTModel, local spec, TP without sequence parallelism):
-megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` (weight, bias; a gathered
-output is sliced back to the rank's shard), ``torch.nn.LayerNorm`` / megatron's
-``WrappedTorchNorm`` / ``FusedLayerNorm`` (weight, bias), ``VocabParallelEmbedding`` and
-``torch.nn.Embedding`` (the learned positions). Layouts as megatron's: linear and norm
-activations ``[s, b, h]``, embedding ids ``[b, s]``. A model with any other trainable
-parameter is refused at construction (:class:`UnsupportedModuleError` names it).
+Supported modules, one rule per kind registered by :func:`rule` (megatron's local spec, TP
+without sequence parallelism): megatron's ``ColumnParallelLinear`` / ``RowParallelLinear``
+(weight, optional bias; a gathered output is sliced back to the rank's shard; SwiGLU's fc1 and
+GQA's qkv are plain column-parallel), ``torch.nn.LayerNorm`` / megatron's ``WrappedTorchNorm`` /
+``FusedLayerNorm`` (weight, bias), ``torch.nn.RMSNorm`` (what ``WrappedTorchNorm`` builds for
+``normalization="RMSNorm"``), ``VocabParallelEmbedding`` and ``torch.nn.Embedding``. Layouts as
+megatron's: linear and norm activations ``[s, b, h]``, embedding ids ``[b, s]``, one trajectory
+per batch row. A trainable parameter in any other module raises :class:`UnsupportedModuleError`
+at construction (naming it and the fix) unless ``unsupported="exact"``: then those parameters
+take the exact path (:meth:`PerTrajectoryGrads.add_exact`, one ``autograd.grad`` per
+trajectory). Tied embeddings and sequence parallelism are refused by name.
 
 How each parameter's per-trajectory gradient is held until ``apply()`` (per micro-batch of
 ``b`` trajectories of ``s`` tokens):
