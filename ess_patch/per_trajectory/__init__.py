@@ -15,13 +15,17 @@ per-trajectory pieces of every parameter's gradient. After the backward:
   (VCPO's ``R_i - b*``), with no second backward. The rewrite happens before the DP
   all-reduce (call it from ``finalize_model_grads``).
 
-Supported modules (all of the demo's GPTModel, local spec, TP without sequence parallelism):
-megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` (weight, bias; a gathered
-output is sliced back to the rank's shard), ``torch.nn.LayerNorm`` / megatron's
-``WrappedTorchNorm`` / ``FusedLayerNorm`` (weight, bias), ``VocabParallelEmbedding`` and
-``torch.nn.Embedding`` (the learned positions). Layouts as megatron's: linear and norm
-activations ``[s, b, h]``, embedding ids ``[b, s]``. A model with any other trainable
-parameter is refused at construction (:class:`UnsupportedModuleError` names it).
+Supported modules, one rule per kind registered by :func:`rule` (megatron's local spec, TP
+without sequence parallelism): megatron's ``ColumnParallelLinear`` / ``RowParallelLinear``
+(weight, optional bias; a gathered output is sliced back to the rank's shard; SwiGLU's fc1 and
+GQA's qkv are plain column-parallel), ``torch.nn.LayerNorm`` / megatron's ``WrappedTorchNorm`` /
+``FusedLayerNorm`` (weight, bias), ``torch.nn.RMSNorm`` (what ``WrappedTorchNorm`` builds for
+``normalization="RMSNorm"``), ``VocabParallelEmbedding`` and ``torch.nn.Embedding``. Layouts as
+megatron's: linear and norm activations ``[s, b, h]``, embedding ids ``[b, s]``, one trajectory
+per batch row. A trainable parameter in any other module raises :class:`UnsupportedModuleError`
+at construction (naming it and the fix) unless ``unsupported="exact"``: then those parameters
+take the exact path (:meth:`PerTrajectoryGrads.add_exact`, one ``autograd.grad`` per
+trajectory). Tied embeddings and sequence parallelism are refused by name.
 
 How each parameter's per-trajectory gradient is held until ``apply()`` (per micro-batch of
 ``b`` trajectories of ``s`` tokens):
@@ -46,15 +50,16 @@ and keep their autograd gradient (overwritten by ``apply()``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .errors import EssPatchError, EssPatchRuntimeError, EssPatchValueError
+from ..errors import EssPatchError, EssPatchRuntimeError, EssPatchValueError
 
-__all__ = ["PerTrajectoryGrads", "UnsupportedModuleError"]
+__all__ = ["PerTrajectoryGrads", "UnsupportedModuleError", "rule"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,16 +74,52 @@ def _group_size(group: Any) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+#: The registry of rules (built at import by :func:`rule`): matcher -> kind, first match wins.
+_RULES: list[tuple[Callable[[torch.nn.Module], bool], str]] = []
+
+
+def rule(kind: str) -> Callable[[Callable[[torch.nn.Module], bool]], Callable]:
+    """Register ``matcher(module) -> bool`` for the per-trajectory rule ``kind``."""
+
+    def register(matcher: Callable[[torch.nn.Module], bool]) -> Callable:
+        _RULES.append((matcher, kind))
+        return matcher
+
+    return register
+
+
+@rule("linear")
+def _is_linear(module: torch.nn.Module) -> bool:
+    # with or without bias (add_bias_linear=False: no bias parameter); SwiGLU's fc1 is one
+    return type(module).__name__ in ("ColumnParallelLinear", "RowParallelLinear")
+
+
+@rule("layernorm")
+def _is_layernorm(module: torch.nn.Module) -> bool:
+    if isinstance(module, torch.nn.LayerNorm):
+        return True
+    return type(module).__name__ in ("FusedLayerNorm", "WrappedTorchNorm") and (
+        getattr(module, "normalization", "LayerNorm") == "LayerNorm"
+    )
+
+
+@rule("rmsnorm")
+def _is_rmsnorm(module: torch.nn.Module) -> bool:
+    # megatron's WrappedTorchNorm(normalization="RMSNorm") builds a torch.nn.RMSNorm
+    return isinstance(module, torch.nn.RMSNorm) or type(module).__name__ == "RMSNorm"
+
+
+@rule("embedding")
+def _is_embedding(module: torch.nn.Module) -> bool:
+    return type(module).__name__ == "VocabParallelEmbedding" or isinstance(
+        module, torch.nn.Embedding
+    )
+
+
 def _kind(module: torch.nn.Module) -> str | None:
-    name = type(module).__name__
-    if name in ("ColumnParallelLinear", "RowParallelLinear"):
-        return "linear"
-    if isinstance(module, torch.nn.LayerNorm) or name in ("FusedLayerNorm", "WrappedTorchNorm"):
-        if getattr(module, "normalization", "LayerNorm") != "LayerNorm":
-            return None  # RMSNorm: no rule yet
-        return "layernorm"
-    if name == "VocabParallelEmbedding" or isinstance(module, torch.nn.Embedding):
-        return "embedding"
+    for matcher, kind in _RULES:
+        if matcher(module):
+            return kind
     return None
 
 
@@ -136,6 +177,9 @@ class PerTrajectoryGrads:
         materialise_ratio: hold a linear weight's or embedding's per-trajectory gradient
             materialised while that takes at most this many times the memory of the factored
             form (0: always factored; ``inf``: always materialised). See the module docstring.
+        unsupported: ``"error"`` (default): a trainable parameter in a module with no rule
+            raises; ``"exact"``: such parameters take the exact path, one ``autograd.grad``
+            per trajectory, given the per-trajectory loss terms by :meth:`add_exact` (slow).
 
     Raises:
         UnsupportedModuleError: a trainable parameter sits in an unsupported module (named).
@@ -149,6 +193,7 @@ class PerTrajectoryGrads:
         pp_group: Any = None,
         defer_linear_weights: bool = True,
         materialise_ratio: float = 1.0,
+        unsupported: str = "error",
     ):
         if not materialise_ratio >= 0:
             raise EssPatchValueError(
@@ -158,32 +203,101 @@ class PerTrajectoryGrads:
         self.tp_group = tp_group if _group_size(tp_group) > 1 else None
         self.pp_group = pp_group if _group_size(pp_group) > 1 else None
         self.tp_rank = dist.get_rank(self.tp_group) if self.tp_group is not None else 0
+        if unsupported not in ("error", "exact"):
+            raise EssPatchValueError(
+                f"PerTrajectoryGrads: unsupported={unsupported!r}; give 'error' or 'exact'"
+            )
+        self._refuse_layouts(model)
         self._sites: list[_Site] = []
-        unsupported = []
+        self._exact: list[_Site] = []
+        refused = []
         for name, module in model.named_modules():
             own = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
             if not own:
                 continue
             kind = _kind(module)
             if kind is None:
-                unsupported.append(f"{name or '<root>'} ({type(module).__name__})")
+                if unsupported == "exact":
+                    self._exact.append(_Site(name, module, "exact", own))
+                    logger.info(
+                        "PerTrajectoryGrads: %s (%s) takes the exact path",
+                        name,
+                        type(module).__name__,
+                    )
+                else:
+                    refused.append(f"{name or '<root>'} ({type(module).__name__})")
                 continue
             self._sites.append(_Site(name, module, kind, own))
-        if unsupported:
+        if refused:
             raise UnsupportedModuleError(
                 "PerTrajectoryGrads: no per-trajectory gradient rule for the parameters of "
-                + ", ".join(unsupported)
-                + "; supported: megatron Column/RowParallelLinear, LayerNorm, "
-                "VocabParallelEmbedding, torch LayerNorm/Embedding"
+                + ", ".join(refused)
+                + "; supported: megatron Column/RowParallelLinear (with or without bias), "
+                "LayerNorm, RMSNorm, VocabParallelEmbedding, torch LayerNorm/RMSNorm/Embedding. "
+                "Fix: PerTrajectoryGrads(..., unsupported='exact') and add_exact(loss_terms) "
+                "(one backward per trajectory for those modules: exact, slow)"
             )
-        self.num_params = sum(p.numel() for s in self._sites for p in s.params.values())
+        self.num_params = sum(
+            p.numel() for s in self._sites + self._exact for p in s.params.values()
+        )
         self._frozen = (
             [s.params["weight"] for s in self._sites if s.kind == "linear"]
             if defer_linear_weights
             else []
         )
         self._capturing = False
+        self._in_exact = False
         self._handles = [s.module.register_forward_hook(self._forward_hook(s)) for s in self._sites]
+
+    @property
+    def _all(self) -> list[_Site]:
+        """The hooked sites, then the exact path's."""
+        return self._sites + self._exact
+
+    @staticmethod
+    def _refuse_layouts(model: torch.nn.Module) -> None:
+        """Layouts whose per-trajectory split the rules don't do yet, refused by name."""
+        config = getattr(model, "config", None)
+        if getattr(config, "sequence_parallel", False):
+            raise UnsupportedModuleError(
+                "PerTrajectoryGrads: sequence_parallel=True (activations split over TP along "
+                "the sequence) has no per-trajectory rule yet; turn sequence parallelism off"
+            )
+        if getattr(model, "share_embeddings_and_output_weights", False):
+            raise UnsupportedModuleError(
+                "PerTrajectoryGrads: share_embeddings_and_output_weights=True: output_layer "
+                "uses embedding.word_embeddings.weight, whose per-trajectory pieces (embedding "
+                "and output layer) are not summed yet; untie the embeddings"
+            )
+
+    def add_exact(self, loss_terms: torch.Tensor) -> None:
+        """The exact path for modules with no rule: call once per micro-batch, before its
+        backward, with ``[b]`` per-trajectory loss terms (their sum is the micro-batch loss).
+
+        One ``autograd.grad`` per trajectory w.r.t. the unruled parameters (graph retained for
+        the training backward): exact, ``b`` extra backward passes. No-op with no such module.
+        """
+        if not self._exact or not self._capturing:
+            return
+        terms = loss_terms.flatten()
+        params = [p for s in self._exact for p in s.params.values()]
+        self._in_exact = True
+        try:
+            per = [
+                torch.autograd.grad(t, params, retain_graph=True, allow_unused=True) for t in terms
+            ]
+        finally:
+            self._in_exact = False
+        k = 0
+        for site in self._exact:
+            pieces = {}
+            for name, p in site.params.items():
+                g = [torch.zeros_like(p) if gi[k] is None else gi[k] for gi in per]
+                pieces[name] = _Piece(full=torch.stack(g).to(_ACC))
+                k += 1
+            site.inputs.append(None)
+            site.rows.append(terms.numel())
+            site.pieces.append(pieces)
 
     # ---------------------------------------------------------------- capture
     def _forward_hook(self, site: _Site):
@@ -200,6 +314,8 @@ class PerTrajectoryGrads:
             site.pieces.append(None)
 
             def grad_hook(grad: torch.Tensor) -> None:
+                if self._in_exact:  # add_exact's own backward passes, not the training one
+                    return
                 site.pieces[k] = self._pieces(site, site.inputs[k], grad.detach())
                 site.inputs[k] = None  # held by the pieces where still needed
 
@@ -209,7 +325,7 @@ class PerTrajectoryGrads:
 
     def start(self) -> None:
         """Drop earlier captures and capture the next forward/backward passes (with grad)."""
-        for s in self._sites:
+        for s in self._sites + self._exact:
             s.clear()
         for p in self._frozen:
             p.requires_grad_(False)
@@ -223,7 +339,7 @@ class PerTrajectoryGrads:
 
     def clear(self) -> None:
         """Free the captures (after ``apply()``)."""
-        for s in self._sites:
+        for s in self._sites + self._exact:
             s.clear()
 
     def remove(self) -> None:
@@ -238,7 +354,7 @@ class PerTrajectoryGrads:
     def captured_bytes(self) -> int:
         """Memory held by the captures now (inputs, pieces)."""
         total = 0
-        for s in self._sites:
+        for s in self._all:
             total += sum(x.numel() * x.element_size() for x in s.inputs if x is not None)
             for pieces in s.pieces:
                 total += sum(p.nbytes() for p in (pieces or {}).values())
@@ -246,7 +362,7 @@ class PerTrajectoryGrads:
 
     def num_trajectories(self) -> int:
         """Trajectories captured since ``start()`` (rows of every micro-batch)."""
-        return sum(self._sites[0].rows) if self._sites else 0
+        return sum(self._all[0].rows) if self._all else 0
 
     # ---------------------------------------------------------------- per site, backward time
     def _pieces(self, site: _Site, x: torch.Tensor, d: torch.Tensor) -> dict[str, _Piece]:
@@ -272,10 +388,11 @@ class PerTrajectoryGrads:
                     gram = (xb @ xb.transpose(1, 2)) * (db @ db.transpose(1, 2))
                     out["weight"] = _Piece(x=x, delta=d, sq=gram.sum((1, 2)))
             x, d = x.transpose(0, 1), d.transpose(0, 1)  # [b, s, .] for the bias
-        else:  # layernorm
+        else:  # layernorm, rmsnorm
             x, d = x.transpose(0, 1), d.transpose(0, 1)  # [b, s, .]
             if "weight" in site.params:
-                out["weight"] = _Piece(full=(d * self._normalised(m, x)).sum(1))
+                xhat = self._rms(m, x) if site.kind == "rmsnorm" else self._normalised(m, x)
+                out["weight"] = _Piece(full=(d * xhat).sum(1))
         if "bias" in site.params:
             out["bias"] = _Piece(full=d.sum(1))
         return out
@@ -284,6 +401,12 @@ class PerTrajectoryGrads:
     def _normalised(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         eps = getattr(m, "eps", 1e-5)
         return torch.nn.functional.layer_norm(x, tuple(m.weight.shape), None, None, eps)
+
+    @staticmethod
+    def _rms(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        eps = getattr(m, "eps", None)
+        eps = torch.finfo(x.dtype).eps if eps is None else eps  # torch.nn.RMSNorm's default
+        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
 
     @staticmethod
     def _local_ids(m: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,12 +456,12 @@ class PerTrajectoryGrads:
         return dc.reshape(-1, dc.shape[-1]).T @ x.reshape(-1, x.shape[-1])
 
     def _check(self) -> None:
-        n = self._sites[0].rows if self._sites else []
-        for site in self._sites:
+        n = self._all[0].rows if self._all else []
+        for site in self._all:
             if site.rows != n:
                 raise EssPatchRuntimeError(
                     f"PerTrajectoryGrads: module {site.name!r} saw micro-batches of {site.rows} "
-                    f"trajectories, {self._sites[0].name!r} {n}; every module must run on every "
+                    f"trajectories, {self._all[0].name!r} {n}; every module must run on every "
                     "micro-batch"
                 )
             missing = [k for k, p in enumerate(site.pieces) if p is None]
@@ -353,7 +476,7 @@ class PerTrajectoryGrads:
         """``[N]`` squared norms over this rank's counted parameters (no collective)."""
         self._check()
         parts = []
-        for site in self._sites:
+        for site in self._all:
             for name, p in site.params.items():
                 if not self._counted(p):
                     continue
@@ -385,14 +508,14 @@ class PerTrajectoryGrads:
         """
         self._check()
         c = torch.as_tensor(coeffs).flatten().to(_ACC)
-        sizes = self._sites[0].rows if self._sites else []
+        sizes = self._all[0].rows if self._all else []
         if sum(sizes) != c.numel():
             raise EssPatchValueError(
                 f"PerTrajectoryGrads: {c.numel()} coefficients for {sum(sizes)} captured "
                 "trajectories; give one per trajectory, in micro-batch order"
             )
         parts = c.split(sizes)
-        for site in self._sites:
+        for site in self._all:
             for name, p in site.params.items():
                 g = torch.zeros(p.shape, dtype=_ACC, device=p.device)
                 for pieces, ck in zip(site.pieces, parts, strict=True):
