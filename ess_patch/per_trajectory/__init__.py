@@ -15,7 +15,7 @@ per-trajectory pieces of every parameter's gradient. After the backward:
   (VCPO's ``R_i - b*``), with no second backward. The rewrite happens before the DP
   all-reduce (call it from ``finalize_model_grads``).
 
-Supported modules, one rule per kind registered by :func:`rule` (megatron's local spec, TP
+Supported modules, one rule per kind registered by ``rule()`` (megatron's local spec, TP
 without sequence parallelism): megatron's ``ColumnParallelLinear`` / ``RowParallelLinear``
 (weight, optional bias; a gathered output is sliced back to the rank's shard; SwiGLU's fc1 and
 GQA's qkv are plain column-parallel), ``torch.nn.LayerNorm`` / megatron's ``WrappedTorchNorm`` /
@@ -74,7 +74,7 @@ def _group_size(group: Any) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-#: The registry of rules (built at import by :func:`rule`): matcher -> kind, first match wins.
+#: The registry of rules (built at import by ``rule()``): matcher -> kind, first match wins.
 _RULES: list[tuple[Callable[[torch.nn.Module], bool], str]] = []
 
 
