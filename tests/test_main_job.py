@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,9 @@ pytest.importorskip("tqdm")
 
 from ess_patch import cli
 from ess_patch.demo import collapse, main_job
+
+# the checkout's docs: tox installs the package into site-packages, so not cli.__file__
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_main_job_is_the_collapse_scenario_at_the_tuned_lr():
@@ -24,7 +28,7 @@ def test_the_main_job_is_the_collapse_scenario_at_the_tuned_lr():
     for field in ("steps", "task", "loss", "dp", "rollout_workers", "is_threshold", "warmup"):
         assert getattr(cfg, field) == getattr(base, field), field
     # the LR is the tuning log's choice
-    log = (cli.Path(cli.__file__).parents[1] / "docs/demo-tuned/tuning.txt").read_text()
+    log = (ROOT / "docs/demo-tuned/tuning.txt").read_text()
     assert log.strip().splitlines()[-1] == f"chosen lr {main_job.TUNED_LR:g}"
 
 
