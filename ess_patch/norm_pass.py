@@ -1,0 +1,167 @@
+"""The norm pass: per-trajectory squared gradient norms before the training step, for any loss.
+
+VCPO's baseline needs ``||grad_theta (w_i * log p_i)||^2`` per trajectory. The in-step rewrite
+(``PerTrajectoryGrads.apply``) is exact only for a loss linear in each trajectory's
+coefficient; PPO clipping, a KL or entropy term in the same backward, dual-clip and sequence
+ratios (GSPO/GMPO) are not. For those the norms come from this pass, run before the step, and
+the step then runs unchanged with the advantage ``R_i - b*``::
+
+    res = norm_pass(model, lambda: weighted_logp_terms(model, batch), tp_group=tp)
+    res.sq_norms    # [N] float64, TP and PP summed; res.seconds, res.path
+
+``loss_terms()`` runs the forward and returns the ``[N]`` per-trajectory terms (their sum is
+what is differentiated). The pass is one backward that computes no linear-weight gradient:
+``torch.autograd.grad`` with the small parameters (norms, biases, embeddings) as its inputs, so
+the per-module hooks of ``ess_patch.per_trajectory`` fire on every module while autograd skips
+every weight-gradient matmul and writes no ``.grad`` / ``main_grad`` (megatron DDP's
+accumulation hooks and grad-sync buckets never run). Parameters, gradients and optimizer state
+are untouched; a test checks it.
+
+Paths (``path=``):
+
+* ``"rules"`` (default for one trajectory per row): the registered per-module rules; modules
+  with no rule take the exact path for their own parameters (``unsupported="exact"``).
+* ``"exact"``: one ``autograd.grad`` per trajectory over every trainable parameter; any
+  module, any layout, packed (THD) rows included. ``N`` backward passes: the check, and the
+  path for packed rows until the rules split a row by ``cu_seqlens``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import EssPatchRuntimeError, EssPatchValueError
+from .per_trajectory import PerTrajectoryGrads
+
+__all__ = ["NormPassResult", "norm_pass"]
+
+PATHS = ("rules", "exact")
+
+
+@dataclass(frozen=True)
+class NormPassResult:
+    """What :func:`norm_pass` measured."""
+
+    #: ``[N]`` float64 squared per-trajectory gradient norms (whole model: TP and PP summed).
+    sq_norms: torch.Tensor
+    #: Wall time of the pass (forward, backward, reductions).
+    seconds: float
+    #: ``"rules"`` or ``"exact"``.
+    path: str
+
+
+def _size(group: Any) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _terms(loss_terms: Callable[[], torch.Tensor]) -> torch.Tensor:
+    terms = loss_terms()
+    if not isinstance(terms, torch.Tensor) or terms.dim() != 1:
+        raise EssPatchValueError(
+            "norm_pass: loss_terms() must return a 1-D tensor, one term per trajectory; got "
+            f"{type(terms).__name__} of shape {tuple(getattr(terms, 'shape', ()))}"
+        )
+    if not terms.requires_grad:
+        raise EssPatchValueError(
+            "norm_pass: loss_terms() returned a tensor with no grad; run the forward with "
+            "grad enabled (not under torch.no_grad / inference_mode)"
+        )
+    return terms
+
+
+def _exact(model: torch.nn.Module, terms: torch.Tensor, tp_group: Any) -> torch.Tensor:
+    tp_rank = dist.get_rank(tp_group) if _size(tp_group) > 1 else 0
+    # replicated parameters count once over TP (rank 0), sharded ones on every rank
+    params = [
+        p
+        for p in model.parameters()
+        if p.requires_grad and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False))
+    ]
+    sq = torch.zeros(terms.numel(), dtype=torch.float64, device=terms.device)
+    for i in range(terms.numel()):
+        grads = torch.autograd.grad(terms[i], params, retain_graph=True, allow_unused=True)
+        sq[i] = sum(
+            (g.double().square().sum() for g in grads if g is not None),
+            torch.zeros((), dtype=torch.float64, device=terms.device),
+        )
+    return sq
+
+
+def _rules(
+    model: torch.nn.Module, loss_terms: Callable[[], torch.Tensor], tp_group: Any
+) -> torch.Tensor:
+    grads = PerTrajectoryGrads(
+        model, tp_group=tp_group, defer_linear_weights=False, unsupported="exact"
+    )
+    try:
+        grads.start()
+        terms = _terms(loss_terms)
+        grads.add_exact(terms)
+        # asking for the small parameters' gradients makes the backward reach every module
+        inputs = grads.small_params()
+        if inputs:
+            torch.autograd.grad(terms.sum(), inputs, allow_unused=True)
+        grads.stop()
+        sq = grads.local_sq_norms().double()
+        if sq.numel() != terms.numel():
+            raise EssPatchValueError(
+                f"norm_pass: loss_terms() gave {terms.numel()} trajectories in "
+                f"{sq.numel()} batch rows; the rules need one trajectory per row. Packed (THD) "
+                "rows: norm_pass(..., path='exact')"
+            )
+        return sq
+    finally:
+        grads.remove()
+
+
+def norm_pass(
+    model: torch.nn.Module,
+    loss_terms: Callable[[], torch.Tensor],
+    *,
+    tp_group: Any = None,
+    pp_group: Any = None,
+    path: str = "rules",
+) -> NormPassResult:
+    """Per-trajectory squared gradient norms of ``loss_terms()``, changing nothing in the model.
+
+    Args:
+        model: this rank's (unwrapped) model stage.
+        loss_terms: runs the forward and returns ``[N]`` per-trajectory terms.
+        tp_group: tensor-parallel group (norms summed over it; replicated parameters once).
+        pp_group: pipeline group. Only one stage (``None`` or a group of one) is supported:
+            a pipelined pass needs the schedule to carry the backward between stages.
+        path: ``"rules"`` or ``"exact"`` (see the module docstring).
+
+    Raises:
+        ValueError: an unknown ``path``, a pipeline of more than one stage, bad ``loss_terms``.
+        RuntimeError: the pass saw a module run without its backward (from the rules).
+    """
+    if path not in PATHS:
+        raise EssPatchValueError(f"norm_pass: path={path!r}; give one of {PATHS}")
+    if _size(pp_group) > 1:
+        raise EssPatchValueError(
+            f"norm_pass: a pipeline of {_size(pp_group)} stages; the norm pass runs on one "
+            "stage only (pipeline_model_parallel_size=1). Use the in-step rewrite "
+            "(PerTrajectoryGrads in finalize_model_grads), which the schedule carries over PP"
+        )
+    t0 = time.perf_counter()
+    with torch.enable_grad():
+        if path == "exact":
+            sq = _exact(model, _terms(loss_terms), tp_group)
+        else:
+            sq = _rules(model, loss_terms, tp_group)
+    if _size(tp_group) > 1:
+        dist.all_reduce(sq, group=tp_group)
+    if not bool(torch.isfinite(sq).all()):
+        index = int((~torch.isfinite(sq)).nonzero()[0, 0])
+        raise EssPatchRuntimeError(
+            f"norm_pass: trajectory {index}'s squared gradient norm is {sq[index].item()}; "
+            "check its log-probs and IS weight (a non-finite loss term)"
+        )
+    return NormPassResult(sq_norms=sq, seconds=time.perf_counter() - t0, path=path)
