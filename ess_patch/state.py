@@ -88,6 +88,10 @@ class _EssState:
     # whether it trained since (then no sample is on-policy): policy_version.py's "current"
     trainer_version: str | None = None
     trained_since_publish: bool = False
+    # VCPO's baseline (integrations/baseline_hook.py): the model a train actor lends to the
+    # advantage hook for the duration of train_actor, and the last rollout's record
+    baseline_model: Any = None
+    baseline: dict | None = None
 
 
 STATE = _EssState()
@@ -133,6 +137,8 @@ def reset() -> None:
     STATE.calibration_warned = False
     STATE.trainer_version = None
     STATE.trained_since_publish = False
+    STATE.baseline_model = None
+    STATE.baseline = None
 
 
 def arm(result_or_scale: EssLrResult | float) -> EssLrResult:

@@ -20,6 +20,7 @@ from typing import Any
 from ..config import CHOICES, HELP, EssLrConfig
 from ..errors import EssPatchValueError
 from ..state import STATE
+from .baseline_hook import add_baseline_arguments
 
 __all__ = [
     "ENABLE",
@@ -168,6 +169,7 @@ def add_ess_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         group = parser.add_argument_group("ESS learning-rate scaling (ess-patch)")
         for flags, kwargs in missing:
             group.add_argument(*flags, **kwargs)
+    add_baseline_arguments(parser)
     return parser
 
 

@@ -57,6 +57,7 @@ from ..attach import attach
 from ..errors import EssPatchValueError
 from ..patching import Target
 from . import Integration
+from .baseline_hook import train_actor_wrapper
 from .binding import bind, call_with
 from .flags import config_from_args
 from .loss_ledger import loss_targets, per_step_reason, steps_per_rollout_refusal
@@ -385,6 +386,14 @@ MILES = Integration(
             "train_critic",
             critic_wrapper,
             decorator="miles_train_critic",
+        ),
+        Target(
+            _ACTOR,
+            "MegatronTrainRayActor",
+            "train_actor",
+            train_actor_wrapper,
+            required=False,
+            vendored=False,
         ),
         Target(
             _ACTOR,

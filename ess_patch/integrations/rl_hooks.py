@@ -23,6 +23,13 @@ from ..patching import MissingTargetError, Target
 from ..result import EssLrResult
 from ..state import STATE, armed, disarm, set_role
 from .actors import check_actors_patched, check_in_actor, resolve_in_driver
+from .baseline_hook import (
+    baseline_metrics,
+    baseline_mode,
+    check_applied,
+    rewrite_rewards,
+    validate_baseline,
+)
 from .binding import bind, call_with
 from .flags import add_ess_arguments, compose_custom_arguments, config_from_args, shadow_requested
 from .loss_ledger import per_step_reason, start_run
@@ -226,15 +233,17 @@ def parse_args_wrapper(framework: Framework) -> Callable[..., Any]:
         user = call.arguments["add_custom_arguments"]
         parsed = call_with(wrapped, call, add_custom_arguments=compose_custom_arguments(user))
         validate(framework, parsed)
+        validate_baseline(framework.name, parsed)
         enabled = bool(getattr(parsed, "use_ess_lr", False))
-        if enabled or shadow_requested(parsed):
+        if enabled or shadow_requested(parsed) or baseline_mode(parsed) is not None:
             if framework.history is not None:
                 framework.history.choose_all()  # an unknown host fails here, not at a rollout
             # the actors train: they get every setting through args, and ess-patch
             resolve_in_driver(parsed)
-            check_actors_patched(
-                framework.name, parsed, "--use-ess-lr" if enabled else "--ess-lr-shadow"
-            )
+            flag = "--use-ess-lr" if enabled else "--ess-lr-shadow"
+            if not (enabled or shadow_requested(parsed)):
+                flag = "--use-ess-baseline"
+            check_actors_patched(framework.name, parsed, flag)
         return parsed
 
     return wrapper
@@ -261,12 +270,23 @@ def advantage_wrapper(framework: Framework) -> Callable[..., Any]:
         if not check_in_actor(framework.name, host_args):  # a driver that was not patched
             return wrapped(*args, **kwargs)
         enabled = bool(getattr(host_args, "use_ess_lr", False))
-        if not enabled and not shadow_requested(host_args):
+        ess_on = enabled or shadow_requested(host_args)
+        baseline = baseline_mode(host_args) is not None and not is_critic(host_args)
+        if not ess_on and not baseline:
             return wrapped(*args, **kwargs)  # disabled: no collective, no state change
+        if baseline:  # before the routine: it builds the advantages from these rewards
+            dp_group = framework.groups_for(call.arguments).dp_group
+            record = rewrite_rewards(framework.name, host_args, rollout_data, dp_group)
+        if not ess_on:
+            out = wrapped(*args, **kwargs)
+            check_applied(framework.name, host_args, rollout_data, record, dp_group)
+            return out
         # if anything below raises, nothing of the previous rollout is reused (shadow mode
         # forgets only its own result: nothing the optimizer wrappers read is touched)
         ledger.new_rollout(shadow=not enabled)
         out = wrapped(*args, **kwargs)
+        if baseline:
+            check_applied(framework.name, host_args, rollout_data, record, dp_group)
         if is_critic(host_args):
             set_role("critic")  # the critic is never scaled
             return out
@@ -458,12 +478,17 @@ def common_targets(
 def ess_metrics() -> dict[str, float]:
     """The metrics to log for this rollout (keys without ``train/``): the armed result's with
     the scale the last step applied (:func:`applied_metrics`), else shadow mode's (its
-    would-be scale as ``ess_lr_shadow_scale``, never ``lr_scale``), else {}.
+    would-be scale as ``ess_lr_shadow_scale``, never ``lr_scale``), else {}; with the VCPO
+    baseline's (``ess_baseline_*``, ``baseline_hook``) when it ran.
 
     A rollout that was not measured gives only ``ess_lr_measured: 0``
     (:meth:`EssLrResult.metrics`); a critic process gives {} (it is never scaled)."""
     if STATE.role == "critic":
         return {}
+    return {**_ess_lr_metrics(), **baseline_metrics()}
+
+
+def _ess_lr_metrics() -> dict[str, float]:
     result = armed()
     if result is not None:
         return applied_metrics(result)

@@ -51,6 +51,7 @@ from typing import Any
 
 from ..patching import Target
 from . import Integration
+from .baseline_hook import train_actor_wrapper
 from .binding import bind, call_with
 from .flags import config_from_args
 from .loss_ledger import loss_targets, per_step_reason, steps_per_rollout_refusal
@@ -219,6 +220,14 @@ SLIME = Integration(
             "train_critic",
             critic_wrapper,
             decorator="slime_train_critic",
+        ),
+        Target(
+            _ACTOR,
+            "MegatronTrainRayActor",
+            "train_actor",
+            train_actor_wrapper,
+            required=False,
+            vendored=False,
         ),
     ),
     history=SLIME_HISTORY,

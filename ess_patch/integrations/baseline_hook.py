@@ -1,0 +1,411 @@
+"""VCPO's minimum-variance baseline in miles and slime: ``--use-ess-baseline``.
+
+What it does to a rollout, on every train rank, inside the advantage hook and before the
+framework's own ``compute_advantages_and_returns`` runs:
+
+1. The norm pass (``ess_patch.norm_pass``) over this rank's samples, with the model the train
+   actor holds (``MegatronTrainRayActor.train_actor`` lends ``self.model`` for the call): the
+   squared norm of ``grad sum_t w_t log p(y_t)`` per sample, ``w_t`` the token's IS weight
+   ``exp(log_probs - rollout_log_probs)`` (clipped as ``--use-tis`` clips), 1 without rollout
+   log-probs. No weight gradient is computed and nothing the step uses changes, so every loss
+   the framework runs (PPO clipping, KL, entropy, TIS/ICEPOP) stays as it is.
+2. Groups: ``sample_indices // --n-samples-per-prompt`` (the data source numbers a prompt's
+   ``n`` samples consecutively, which is also how the rollout manager's group mean groups them).
+   Groups split over DP ranks are reduced over DP (``group_baseline``).
+3. ``rollout_data["rewards"]`` (already group-normalised by the rollout manager) becomes
+   ``r_i - b*_g(r)``. ``b*`` is a weighted mean, so ``b*(r - mean) = b*(R) - mean`` and
+   ``b*((R - mean) / std) = (b*(R) - mean) / std``: the advantage GRPO computes from it is
+   ``(R_i - b*(R)) / std``, the group mean replaced by ``b*`` and the std kept.
+4. After the framework's routine: every sample's advantage is read back; one that is not
+   ``r_i - b*`` (a custom advantage function, another estimator) stops the run on every DP
+   rank with :class:`~ess_patch.guard.EssLrNotAppliedError`.
+
+Shadow mode (``--ess-baseline-shadow`` / ``ESS_LR_BASELINE_SHADOW=1``) runs 1-2 and logs, but
+leaves the rewards alone. Metrics (``train/``): ``ess_baseline_shift`` (mean over groups of
+``b*`` minus the group mean, in the units of the normalised reward), ``ess_baseline_abs_shift``,
+``ess_baseline_fallback_groups``, ``ess_baseline_split_groups``, ``ess_baseline_norm_pass_s``,
+and ``ess_baseline_applied`` (1 applied and read back, 0 shadow).
+
+Refused at parse time, by name: an estimator other than grpo / gspo / cispo (the group mean is
+theirs), ``--disable-rewards-normalization`` (no group baseline to replace), pipeline or
+context parallelism and virtual pipelines (the norm pass runs one stage on whole sequences),
+``--n-samples-per-prompt 1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Any
+
+import torch
+
+from ..errors import EssPatchValueError
+from ..group_baseline import dp_min_variance_baseline
+from ..guard import EssLrNotAppliedError
+from ..norm_pass import PATHS, norm_pass
+from ..state import STATE
+
+__all__ = [
+    "ESTIMATORS",
+    "add_baseline_arguments",
+    "baseline_metrics",
+    "baseline_mode",
+    "check_applied",
+    "rewrite_rewards",
+    "train_actor_wrapper",
+    "validate_baseline",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The estimators whose baseline is the group mean of the rewards ``rollout_data`` carries.
+ESTIMATORS = ("grpo", "gspo", "cispo")
+
+ENV_ON, ENV_SHADOW, ENV_PATH = "ESS_LR_BASELINE", "ESS_LR_BASELINE_SHADOW", "ESS_LR_BASELINE_PATH"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def add_baseline_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--use-ess-baseline``, ``--ess-baseline-shadow``, ``--ess-baseline-path`` (each only if
+    the parser lacks it)."""
+    known = parser._option_string_actions
+    options = [
+        (
+            "--use-ess-baseline",
+            dict(
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help="VCPO's minimum-variance baseline replaces the group mean of the "
+                f"advantage (with or without --use-ess-lr; env {ENV_ON})",
+            ),
+        ),
+        (
+            "--ess-baseline-shadow",
+            dict(
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=f"compute and log b* without applying it (env {ENV_SHADOW})",
+            ),
+        ),
+        (
+            "--ess-baseline-path",
+            dict(
+                choices=PATHS,
+                default=None,
+                help="how the norm pass gets per-sample gradient norms: 'rules' (one backward, "
+                f"default) or 'exact' (one backward per sample; env {ENV_PATH})",
+            ),
+        ),
+    ]
+    missing = [(flag, kw) for flag, kw in options if flag not in known]
+    if missing:
+        group = parser.add_argument_group("VCPO baseline (ess-patch)")
+        for flag, kw in missing:
+            group.add_argument(flag, **kw)
+
+
+def _env_bool(name: str) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise EssPatchValueError(f"{name}={os.environ[name]!r}: give 1 or 0")
+
+
+def baseline_mode(args: Any) -> str | None:
+    """``"on"``, ``"shadow"`` or None (off): the flags where given, else the environment."""
+    on = getattr(args, "use_ess_baseline", None)
+    shadow = getattr(args, "ess_baseline_shadow", None)
+    on = _env_bool(ENV_ON) if on is None else bool(on)
+    shadow = _env_bool(ENV_SHADOW) if shadow is None else bool(shadow)
+    if on and shadow:
+        raise EssPatchValueError(
+            "--use-ess-baseline and --ess-baseline-shadow (or their ESS_LR_BASELINE* variables) "
+            "are both on: shadow mode never changes an advantage. Keep one of them"
+        )
+    return "on" if on else ("shadow" if shadow else None)
+
+
+def _path(args: Any) -> str:
+    path = getattr(args, "ess_baseline_path", None) or os.environ.get(ENV_PATH) or "rules"
+    if path not in PATHS:
+        raise EssPatchValueError(f"{ENV_PATH}={path!r}: give one of {PATHS}")
+    return path
+
+
+def validate_baseline(framework: str, args: Any) -> None:
+    """Refuse, at parse time and by name, the runs the baseline cannot serve."""
+    mode = baseline_mode(args)
+    if mode is None:
+        return
+    _path(args)
+    flag = "--use-ess-baseline" if mode == "on" else "--ess-baseline-shadow"
+    problems = []
+    estimator = getattr(args, "advantage_estimator", None)
+    if estimator not in ESTIMATORS:
+        problems.append(
+            f"--advantage-estimator {estimator} (its baseline is not the group mean; "
+            f"supported: {', '.join(ESTIMATORS)})"
+        )
+    if getattr(args, "rewards_normalization", True) is False:
+        problems.append("--disable-rewards-normalization (there is no group mean to replace)")
+    if (getattr(args, "n_samples_per_prompt", 1) or 1) < 2:
+        problems.append("--n-samples-per-prompt below 2 (a group of one has no baseline)")
+    for name, flag_name in (
+        ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+        ("context_parallel_size", "--context-parallel-size"),
+    ):
+        if (getattr(args, name, 1) or 1) > 1:
+            problems.append(
+                f"{flag_name} {getattr(args, name)} (the norm pass runs one stage "
+                "on whole sequences)"
+            )
+    if getattr(args, "virtual_pipeline_model_parallel_size", None):
+        problems.append("--virtual-pipeline-model-parallel-size (one model chunk only)")
+    if getattr(args, "custom_advantage_function_path", None):
+        problems.append("--custom-advantage-function-path (it may not read the rewards)")
+    if problems:
+        raise EssPatchValueError(
+            f"{flag} is not supported with " + "; ".join(problems) + f" ({framework}). "
+            f"Drop {flag} or change that setting"
+        )
+
+
+# --- the model the norm pass runs ------------------------------------------------------------
+
+
+def train_actor_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``MegatronTrainRayActor.train_actor``: lend ``self.model`` to the advantage hook."""
+    if baseline_mode(getattr(instance, "args", None)) is None:
+        return wrapped(*args, **kwargs)
+    previous = STATE.baseline_model
+    STATE.baseline_model = getattr(instance, "model", None)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        STATE.baseline_model = previous
+
+
+def _chunk(framework: str) -> torch.nn.Module:
+    model = STATE.baseline_model
+    if isinstance(model, (list, tuple)):
+        if len(model) != 1:
+            raise EssLrNotAppliedError(
+                f"ess-patch ({framework}): the VCPO baseline was requested and the train "
+                f"actor holds {len(model)} model chunks; the norm pass runs one. Drop "
+                "--use-ess-baseline or the virtual pipeline"
+            )
+        model = model[0]
+    if not isinstance(model, torch.nn.Module):
+        raise EssLrNotAppliedError(
+            f"ess-patch ({framework}): the VCPO baseline was requested but the advantage "
+            "routine ran outside MegatronTrainRayActor.train_actor (no model to take the "
+            "norms with), so the advantages would keep the group mean. Install ess-patch in "
+            "the train actor (ESS_PATCH_AUTO_INSTALL=1) or drop --use-ess-baseline"
+        )
+    return model
+
+
+def _tp_group() -> Any:
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    return group if parallel_state.get_tensor_model_parallel_world_size() > 1 else None
+
+
+def _token_logp(logits: torch.Tensor, targets: torch.Tensor, tp_group: Any) -> torch.Tensor:
+    """``log p(target)`` from (vocabulary-parallel) logits, differentiable, no in-place op."""
+    logits = logits.float()
+    top = logits.detach().amax(-1, keepdim=True)
+    if tp_group is None:
+        shifted = logits - top
+        lse = shifted.exp().sum(-1).log()
+        picked = shifted.gather(-1, targets[..., None]).squeeze(-1)
+        return picked - lse
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=tp_group)
+    shifted = logits - top
+    width = logits.shape[-1]
+    start = dist.get_rank(tp_group) * width
+    local = targets - start
+    inside = (local >= 0) & (local < width)
+    picked = shifted.gather(-1, local.clamp(0, width - 1)[..., None]).squeeze(-1)
+    picked = reduce_from_tensor_model_parallel_region(torch.where(inside, picked, 0.0))
+    total = reduce_from_tensor_model_parallel_region(shifted.exp().sum(-1))
+    return picked - total.log()
+
+
+def _weights(host_args: Any, rollout_data: dict, i: int) -> torch.Tensor | None:
+    rollout = rollout_data.get("rollout_log_probs")
+    train = rollout_data.get("log_probs")
+    if not rollout or not train:
+        return None
+    w = torch.exp(torch.as_tensor(train[i]).double() - torch.as_tensor(rollout[i]).double())
+    if getattr(host_args, "use_tis", False):
+        high = getattr(host_args, "tis_clip", None)
+        low = getattr(host_args, "tis_clip_low", None)
+        w = w.clamp(min=low or 0.0, max=high if high is not None else float("inf"))
+    return w
+
+
+def _terms_fn(model: torch.nn.Module, host_args: Any, rollout_data: dict, rows: list[int]):
+    """The norm pass's forward for ``rows``: ``sum_t w_t log p(y_t)`` per sample, padded rows."""
+    tp_group = _tp_group()
+    device = next(model.parameters()).device
+    tokens = [torch.as_tensor(rollout_data["tokens"][i]).long() for i in rows]
+    width = max(t.numel() for t in tokens)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    for k, t in enumerate(tokens):
+        ids[k, : t.numel()] = t
+    ids = ids.to(device)
+
+    def terms() -> torch.Tensor:
+        pos = torch.arange(width, device=device)[None].expand(len(rows), -1)
+        logits = model(ids, pos, None)  # [b, s, V/tp]
+        out = []
+        for k, i in enumerate(rows):
+            total, resp = tokens[k].numel(), int(rollout_data["response_lengths"][i])
+            lp = _token_logp(
+                logits[k, total - resp - 1 : total - 1], ids[k, total - resp : total], tp_group
+            )
+            mask = torch.as_tensor(rollout_data["loss_masks"][i], device=device).to(lp.dtype)
+            w = _weights(host_args, rollout_data, i)
+            if w is not None:
+                mask = mask * w.to(device, lp.dtype)
+            out.append((mask * lp).sum())
+        return torch.stack(out)
+
+    return terms
+
+
+def _norms(framework: str, host_args: Any, rollout_data: dict) -> tuple[torch.Tensor, float]:
+    model = _chunk(framework)
+    n = len(rollout_data["rewards"])
+    size = max(1, int(getattr(host_args, "micro_batch_size", 1) or 1))
+    sq, seconds = [], 0.0
+    was_training = model.training
+    model.eval()  # no dropout: the norms of the policy the step differentiates
+    try:
+        for start in range(0, n, size):
+            rows = list(range(start, min(n, start + size)))
+            res = norm_pass(
+                model,
+                _terms_fn(model, host_args, rollout_data, rows),
+                tp_group=_tp_group(),
+                path=_path(host_args),
+            )
+            sq.append(res.sq_norms.cpu())
+            seconds += res.seconds
+    finally:
+        model.train(was_training)
+    return (torch.cat(sq) if sq else torch.zeros(0, dtype=torch.float64)), seconds
+
+
+def _group_ids(framework: str, host_args: Any, rollout_data: dict) -> torch.Tensor:
+    indices = rollout_data.get("sample_indices")
+    if indices is None or len(indices) != len(rollout_data["rewards"]):
+        raise EssLrNotAppliedError(
+            f"ess-patch ({framework}): the VCPO baseline was requested but rollout_data has "
+            "no 'sample_indices' for every sample (its prompt groups are unknown), so the "
+            "advantages would keep the group mean. Drop --use-ess-baseline"
+        )
+    return torch.as_tensor(list(indices), dtype=torch.long) // int(host_args.n_samples_per_prompt)
+
+
+def rewrite_rewards(framework: str, host_args: Any, rollout_data: dict, dp_group: Any) -> dict:
+    """Steps 1-3 of the module docstring on this rank's ``rollout_data``; returns the record
+    :func:`check_applied` reads (and the metrics)."""
+    STATE.baseline = None  # nothing of the previous rollout is logged if this one fails
+    mode = baseline_mode(host_args)
+    rewards = torch.as_tensor(list(rollout_data["rewards"]), dtype=torch.float64)
+    ids = _group_ids(framework, host_args, rollout_data)
+    sq, seconds = _norms(framework, host_args, rollout_data)
+    res = dp_min_variance_baseline(rewards, ids, sq, dp_group=dp_group)
+    record = {
+        "mode": mode,
+        "expected": res.advantages.tolist(),
+        "metrics": {
+            "ess_baseline_shift": res.shift,
+            "ess_baseline_abs_shift": res.abs_shift,
+            "ess_baseline_fallback_groups": float(res.fallback_groups),
+            "ess_baseline_split_groups": float(res.split_groups),
+            "ess_baseline_norm_pass_s": seconds,
+            "ess_baseline_applied": 0.0,
+        },
+    }
+    if mode == "on":
+        original = rollout_data["rewards"]
+        new = res.advantages.tolist()
+        rollout_data["rewards"] = (
+            torch.tensor(new, dtype=original.dtype, device=original.device)
+            if isinstance(original, torch.Tensor)
+            else new
+        )
+    STATE.baseline = record
+    return record
+
+
+def _mismatch(host_args: Any, rollout_data: dict, expected: list[float]) -> int:
+    """The first local sample whose advantage is not ``r_i - b*`` (or, with
+    ``--normalize-advantages``, not one positive affine image of them all: the whitening over
+    DP), or -1."""
+    values = []
+    for i in range(len(expected)):
+        adv = torch.as_tensor(rollout_data["advantages"][i]).double().flatten()
+        if adv.numel() == 0:
+            values.append(None)
+            continue
+        v = adv.mean()
+        if not torch.allclose(adv, v.expand_as(adv), rtol=1e-5, atol=1e-6):
+            return i  # not one value per sample: not a baseline-shifted reward
+        values.append(float(v))
+    rows = [i for i, v in enumerate(values) if v is not None]
+    if not rows:
+        return -1
+    x = torch.tensor([expected[i] for i in rows], dtype=torch.float64)
+    y = torch.tensor([values[i] for i in rows], dtype=torch.float64)
+    if getattr(host_args, "normalize_advantages", False) and x.numel() > 1 and x.std() > 0:
+        a = float(((x - x.mean()) * (y - y.mean())).sum() / (x - x.mean()).square().sum())
+        if a <= 0:
+            return rows[0]
+        x = a * x + float(y.mean() - a * x.mean())
+    elif getattr(host_args, "normalize_advantages", False):
+        x = x - x.mean() + y.mean()  # one value (or none) to whiten: only the offset is known
+    off = ~torch.isclose(y, x, rtol=1e-4, atol=1e-5)
+    return rows[int(off.nonzero()[0, 0])] if bool(off.any()) else -1
+
+
+def check_applied(
+    framework: str, host_args: Any, rollout_data: dict, record: dict, dp_group: Any
+) -> None:
+    """Step 4: every sample's advantage is ``r_i - b*`` (float32 tolerance), on every DP rank."""
+    if record["mode"] != "on":
+        return
+    bad = _mismatch(host_args, rollout_data, record["expected"])
+    flag = torch.tensor([float(bad >= 0)], dtype=torch.float64)
+    if dp_group is not None:
+        import torch.distributed as dist
+
+        from ..reduction import all_reduce_sum
+
+        flag = all_reduce_sum(flag, dp_group) if dist.get_world_size(dp_group) > 1 else flag
+    if float(flag) > 0:
+        where = f"sample {bad} of this rank" if bad >= 0 else "another DP rank"
+        raise EssLrNotAppliedError(
+            f"ess-patch ({framework}): the VCPO baseline was requested but the advantages of "
+            f"{where} are not the rewritten rewards (r - b*): the advantage routine did not "
+            "take them (a custom advantage function, another estimator). Drop "
+            "--use-ess-baseline or use grpo / gspo / cispo"
+        )
+    record["metrics"]["ess_baseline_applied"] = 1.0
+
+
+def baseline_metrics() -> dict[str, float]:
+    """The last rollout's baseline metrics (keys without ``train/``), or {}."""
+    record = STATE.baseline
+    return {} if record is None else dict(record["metrics"])
