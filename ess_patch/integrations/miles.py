@@ -26,6 +26,10 @@ only other file to read); the FSDP backend's torch optimizer is attach()ed inste
   ``experimental.fsdp_utils.actor``): adds ``lr_scale``, ``rho_ess``... to the actor's
   ``extra_metrics`` (logged as ``train/lr_scale``...).
 - ``FSDPTrainRayActor._train_core``: attaches the plain torch optimizer (once) before training.
+- ``MegatronTrainRayActor.train_actor``: with ``--use-ess-baseline`` (VCPO's baseline,
+  ``integrations/baseline_hook.py``), lends ``self.model`` to the advantage hook for the call,
+  which then rewrites the rewards to ``r - b*`` before the routine and reads the advantages
+  back (install() only: no ``patches/`` series carries it yet).
 - ``MegatronTrainRayActor.train_critic``: makes its process the critic before the advantage
   hook runs (never measured, scaled or logged as a policy).
 - ``MegatronTrainRayActor.update_weights``: after the rollout engines receive the trainer's

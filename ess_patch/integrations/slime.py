@@ -23,6 +23,10 @@ other file to read).
   the log-probs it returns to that call.
 - ``log`` (in the module of the table below): adds ``train/lr_scale``, ``train/rho_ess``... to
   the train-step record (``step_key="train/step"``).
+- ``MegatronTrainRayActor.train_actor``: with ``--use-ess-baseline`` (VCPO's baseline,
+  ``integrations/baseline_hook.py``), lends ``self.model`` to the advantage hook for the call,
+  which then rewrites the rewards to ``r - b*`` before the routine and reads the advantages
+  back (install() only: no ``patches/`` series carries it yet).
 - ``MegatronTrainRayActor.train_critic``: makes its process the critic before the advantage
   hook runs (never measured, scaled or logged as a policy).
 

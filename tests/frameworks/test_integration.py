@@ -151,8 +151,10 @@ def test_parser_accepts_the_flags_and_changes_no_default(fw, clean_ess):
     assert on.use_ess_lr is True and on.ess_lr_floor == 0.2
     # each option not given: the settings then come from install() (ESS_LR_*), not argparse
     assert (off.use_ess_lr, off.ess_lr_floor, off.ess_lr_weight_mode) == (False, None, None)
-    ours = {k for k in vars(off) if k == "use_ess_lr" or k.startswith("ess_lr_")}
-    assert ours == {
+    baseline = {"use_ess_baseline", "ess_baseline_shadow", "ess_baseline_path"}
+    assert {k: getattr(off, k) for k in baseline} == dict.fromkeys(baseline)  # off: not given
+    ours = {k for k in vars(off) if k == "use_ess_lr" or k.startswith("ess_lr_")} | baseline
+    assert ours - baseline == {
         "use_ess_lr",
         "ess_lr_floor",
         "ess_lr_weight_mode",
