@@ -29,7 +29,7 @@ and ``ess_baseline_applied`` (1 applied and read back, 0 shadow).
 Refused at parse time, by name: an estimator other than grpo / gspo / cispo (the group mean is
 theirs), ``--disable-rewards-normalization`` (no group baseline to replace), pipeline or
 context parallelism and virtual pipelines (the norm pass runs one stage on whole sequences),
-``--n-samples-per-prompt 1``.
+``--n-samples-per-prompt 1``, a training backend other than Megatron (miles' FSDP).
 """
 
 from __future__ import annotations
@@ -165,6 +165,9 @@ def validate_baseline(framework: str, args: Any) -> None:
             )
     if getattr(args, "virtual_pipeline_model_parallel_size", None):
         problems.append("--virtual-pipeline-model-parallel-size (one model chunk only)")
+    backend = getattr(args, "train_backend", "megatron")
+    if backend not in (None, "megatron"):
+        problems.append(f"--train-backend {backend} (the norm pass runs on the Megatron actor)")
     if getattr(args, "custom_advantage_function_path", None):
         problems.append("--custom-advantage-function-path (it may not read the rewards)")
     if problems:
