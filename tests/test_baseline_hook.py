@@ -8,12 +8,18 @@ from argparse import ArgumentParser, Namespace
 import pytest
 import torch
 
-from ess_patch.integrations.baseline_hook import _mismatch as mismatch
-from ess_patch.integrations.baseline_hook import (
+from ess_patch.integrations.baseline_flags import (
+    PATHS,
     add_baseline_arguments,
     baseline_mode,
     validate_baseline,
 )
+from ess_patch.integrations.baseline_hook import _mismatch as mismatch
+from ess_patch.norm_pass import PATHS as NORM_PASS_PATHS
+
+
+def test_the_flag_offers_the_norm_pass_paths():
+    assert PATHS == NORM_PASS_PATHS
 
 
 def _args(**kw):

@@ -20,7 +20,7 @@ from typing import Any
 from ..config import CHOICES, HELP, EssLrConfig
 from ..errors import EssPatchValueError
 from ..state import STATE
-from .baseline_hook import add_baseline_arguments
+from .baseline_flags import add_baseline_arguments
 
 __all__ = [
     "ENABLE",

@@ -27,7 +27,8 @@ only other file to read); the FSDP backend's torch optimizer is attach()ed inste
   ``extra_metrics`` (logged as ``train/lr_scale``...).
 - ``FSDPTrainRayActor._train_core``: attaches the plain torch optimizer (once) before training.
 - ``MegatronTrainRayActor.train_actor``: with ``--use-ess-baseline`` (VCPO's baseline,
-  ``integrations/baseline_hook.py``), lends ``self.model`` to the advantage hook for the call,
+  ``integrations/baseline_flags.py``, ``baseline_hook.py``), lends ``self.model`` to the
+  advantage hook for the call,
   which then rewrites the rewards to ``r - b*`` before the routine and reads the advantages
   back (install() only: no ``patches/`` series carries it yet).
 - ``MegatronTrainRayActor.train_critic``: makes its process the critic before the advantage
@@ -61,7 +62,7 @@ from ..attach import attach
 from ..errors import EssPatchValueError
 from ..patching import Target
 from . import Integration
-from .baseline_hook import train_actor_wrapper
+from .baseline_flags import train_actor_wrapper
 from .binding import bind, call_with
 from .flags import config_from_args
 from .loss_ledger import loss_targets, per_step_reason, steps_per_rollout_refusal

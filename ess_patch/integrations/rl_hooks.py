@@ -23,13 +23,7 @@ from ..patching import MissingTargetError, Target
 from ..result import EssLrResult
 from ..state import STATE, armed, disarm, set_role
 from .actors import check_actors_patched, check_in_actor, resolve_in_driver
-from .baseline_hook import (
-    baseline_metrics,
-    baseline_mode,
-    check_applied,
-    rewrite_rewards,
-    validate_baseline,
-)
+from .baseline_flags import baseline_metrics, baseline_mode, validate_baseline
 from .binding import bind, call_with
 from .flags import add_ess_arguments, compose_custom_arguments, config_from_args, shadow_requested
 from .loss_ledger import per_step_reason, start_run
@@ -275,6 +269,8 @@ def advantage_wrapper(framework: Framework) -> Callable[..., Any]:
         if not ess_on and not baseline:
             return wrapped(*args, **kwargs)  # disabled: no collective, no state change
         if baseline:  # before the routine: it builds the advantages from these rewards
+            from .baseline_hook import check_applied, rewrite_rewards  # torch: only when on
+
             dp_group = framework.groups_for(call.arguments).dp_group
             record = rewrite_rewards(framework.name, host_args, rollout_data, dp_group)
         if not ess_on:

@@ -24,7 +24,8 @@ other file to read).
 - ``log`` (in the module of the table below): adds ``train/lr_scale``, ``train/rho_ess``... to
   the train-step record (``step_key="train/step"``).
 - ``MegatronTrainRayActor.train_actor``: with ``--use-ess-baseline`` (VCPO's baseline,
-  ``integrations/baseline_hook.py``), lends ``self.model`` to the advantage hook for the call,
+  ``integrations/baseline_flags.py``, ``baseline_hook.py``), lends ``self.model`` to the
+  advantage hook for the call,
   which then rewrites the rewards to ``r - b*`` before the routine and reads the advantages
   back (install() only: no ``patches/`` series carries it yet).
 - ``MegatronTrainRayActor.train_critic``: makes its process the critic before the advantage
@@ -55,7 +56,7 @@ from typing import Any
 
 from ..patching import Target
 from . import Integration
-from .baseline_hook import train_actor_wrapper
+from .baseline_flags import train_actor_wrapper
 from .binding import bind, call_with
 from .flags import config_from_args
 from .loss_ledger import loss_targets, per_step_reason, steps_per_rollout_refusal

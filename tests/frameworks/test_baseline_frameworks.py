@@ -164,7 +164,7 @@ def rank_baseline(fw: str, snapshot: str, case: str) -> dict:
     import torch.distributed as dist
 
     from ess_patch.demo.cpu import megatron_on_cpu
-    from ess_patch.integrations.baseline_hook import baseline_metrics, train_actor_wrapper
+    from ess_patch.integrations.baseline_flags import baseline_metrics, train_actor_wrapper
 
     use_snapshot(fw, snapshot, tier="full")
     state = None
