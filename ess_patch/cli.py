@@ -95,8 +95,9 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
         "--arms",
         type=_name_list,
         help="comma-separated arms among off, on (the --weight-mode... settings), geometric, "
-        "product, vcpo (product, per step, no floor), constant (the mean LR of product) "
-        "[off,geometric,product]",
+        "product, vcpo (product, per step, no floor), constant (the mean LR of product), "
+        "sync, calibrated, baseline / ess+baseline (VCPO's baseline, exact norms), "
+        "proxy / ess+proxy (the same, forward-only proxy norms) [off,geometric,product]",
     )
     # ESS-LR's settings, from EssLrConfig's fields: a flag given > ESS_LR_* > the default
     add_config_options(demo, "--", DEMO_ESS_FIELDS, check=False, installed=False)

@@ -18,8 +18,8 @@ from ess_patch.integrations.baseline_hook import _mismatch as mismatch
 from ess_patch.norm_pass import PATHS as NORM_PASS_PATHS
 
 
-def test_the_flag_offers_the_norm_pass_paths():
-    assert PATHS == NORM_PASS_PATHS
+def test_the_flag_offers_the_norm_pass_paths_and_the_proxy():
+    assert (*NORM_PASS_PATHS, "proxy") == PATHS
 
 
 def _args(**kw):

@@ -36,7 +36,7 @@ from ..baseline import NonFiniteBaselineInputError, min_variance_baseline
 from ..errors import EssPatchRuntimeError, EssPatchValueError
 from ..per_trajectory import PerTrajectoryGrads
 
-__all__ = ["BaselineGlue"]
+__all__ = ["BaselineGlue", "proxy_advantages"]
 
 logger = logging.getLogger(__name__)
 
@@ -210,3 +210,35 @@ class BaselineGlue:
             self._config.finalize_model_grads_func = self._original
         self.grads.remove()
         self._rewards = self._group_ids = None
+
+
+def proxy_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    weight: torch.Tensor,
+) -> tuple[torch.Tensor, float]:
+    """The proxy arms' advantages ``R - b*`` of one micro-batch, ``[N, 1]``, and ``mean |b* -
+    mean|`` over its groups.
+
+    ``b*`` is :func:`ess_patch.proxy.proxy_baseline` on the response positions' ``logits``
+    (``[N, T, V]``, the whole vocabulary), each token's proxy times its squared IS ``weight``
+    (``[N, 1]`` or ``[N, T]``, as the loss weighs it). Forward-only: no hook, no backward.
+    """
+    from ..proxy import proxy_baseline
+
+    with torch.no_grad():
+        res = proxy_baseline(
+            rewards.double(),
+            group_ids,
+            logits.detach(),
+            tokens,
+            token_weights=weight.detach().expand(tokens.shape),
+        )
+        adv = res.advantages.to(logits.dtype)[:, None]
+        _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+        sums = torch.zeros(counts.numel(), dtype=torch.float64, device=rewards.device)
+        mean = sums.index_add_(0, inverse, rewards.double()) / counts
+        shift = float((res.baselines - mean).abs().mean())
+    return adv, shift

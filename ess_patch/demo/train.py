@@ -78,7 +78,8 @@ logger = logging.getLogger(__name__)
 #: synchronous reference); "calibrated": product weights with ``calibrate_rollouts``;
 #: "baseline": never armed, VCPO's minimum-variance off-policy baseline in place of the group
 #: mean (:mod:`ess_patch.demo.opob`); "ess+baseline": that baseline and the "product" arm's
-#: ESS-LR (VCPO as published: both halves).
+#: ESS-LR (VCPO as published: both halves); "proxy" / "ess+proxy": the same baseline with the
+#: forward-only proxy's norms (:mod:`ess_patch.proxy`, verl's Optimal Token Baseline) in the loss.
 ARMS = (
     "off",
     "on",
@@ -90,9 +91,13 @@ ARMS = (
     "calibrated",
     "baseline",
     "ess+baseline",
+    "proxy",
+    "ess+proxy",
 )
 #: The arms whose advantage is ``R - b*`` (VCPO's baseline) instead of the group mean's.
 BASELINE_ARMS = ("baseline", "ess+baseline")
+#: The arms whose ``b*`` comes from the forward-only proxy's norms, taken in the loss.
+PROXY_ARMS = ("proxy", "ess+proxy")
 DEFAULT_ARMS = ("off", "geometric", "product")
 #: The policy-gradient losses (see the module docstring).
 LOSSES = ("tis", "sequence", "seq-tis")
@@ -235,6 +240,14 @@ class DemoConfig:
                 self.microbatches,
                 f"must divide the rollouts per rank ({self.rollouts_per_rank})",
             )
+        mb = self.rollouts_per_rank // self.microbatches
+        if any(a in PROXY_ARMS for a in self.arms) and mb % self.group_size:
+            raise DemoConfigError(
+                "microbatches",
+                self.microbatches,
+                f"the proxy arms take b* in the loss: a micro-batch ({mb} rollouts) must hold "
+                f"whole groups of {self.group_size}",
+            )
         if self.loss not in LOSSES:
             raise DemoConfigError("loss", self.loss, f"give one of {LOSSES}")
         if self.staleness not in STALENESS:
@@ -293,7 +306,7 @@ class DemoConfig:
         """The ESS-LR config of an arm (its own weight mode, VCPO's rule for "vcpo")."""
         if arm_name in ("geometric", "product"):
             return replace(self.ess, weight_mode=arm_name)
-        if arm_name == "ess+baseline":
+        if arm_name in ("ess+baseline", "ess+proxy"):
             return replace(self.ess, weight_mode="product")
         if arm_name == "calibrated":
             return replace(
@@ -602,11 +615,22 @@ def _loss(cfg: DemoConfig, batch: dict[str, torch.Tensor], stash: list, logits: 
     else:  # miles/slime TIS: truncated per-token weight, no gradient through it
         weight = torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO)).clamp(max=cfg.tis_clip)
         clamped = (log_ratio > MAX_LOG_RATIO).sum()
+    extra = {}
+    if "group_ids" in batch:  # a proxy arm: b* from the logits this forward computed
+        from .opob import proxy_advantages
+
+        adv, extra["proxy_abs_shift"] = proxy_advantages(
+            batch["rewards"],
+            batch["group_ids"],
+            logits[:, -logp.shape[1] :],
+            batch["tokens"],
+            weight,
+        )
     loss = -(adv * weight * logp).mean()
     with torch.no_grad():  # the trainer's per-token entropy on the response positions
         lsm = torch.log_softmax(logits[:, -logp.shape[1] :].detach().float(), dim=-1)
         entropy = -(lsm.exp() * lsm).sum(dim=-1).sum()
-    return loss, {"loss": loss.detach(), "clamped": clamped, "entropy": entropy}
+    return loss, {"loss": loss.detach(), "clamped": clamped, "entropy": entropy, **extra}
 
 
 def _shim(cfg: DemoConfig) -> Any:
@@ -707,6 +731,14 @@ def _train_arm(
                 "tokens": roll.tokens[i : i + mb],
                 "rollout_logp": roll.logp[i : i + mb],
                 "advantages": adv[i : i + mb].to(cfg.device),
+                **(
+                    {
+                        "rewards": roll.rewards[i : i + mb].to(cfg.device),
+                        "group_ids": torch.arange(mb, device=cfg.device) // cfg.group_size,
+                    }
+                    if arm_name in PROXY_ARMS
+                    else {}
+                ),
             }
             for i in range(0, cfg.rollouts_per_rank, mb)
         ]
@@ -740,7 +772,7 @@ def _train_arm(
                 dp_group=lay.dp_group,
                 pp_group=lay.pp_group,
             )
-            if arm_name in ("off", "sync", "baseline"):
+            if arm_name in ("off", "sync", "baseline", "proxy"):
                 disarm()
                 scales.append(1.0)
             elif arm_name == "constant":
@@ -792,6 +824,9 @@ def _train_arm(
                 "cpu_ess_s": c3 - c2,
             }
             rec.update({f"opob_{k}": v for k, v in baseline_metrics.items()})
+            if arm_name in PROXY_ARMS:  # this rank's micro-batches (the demo's groups stay local)
+                shifts = [float(x["proxy_abs_shift"]) for x in losses]
+                rec["opob_proxy_abs_shift"] = sum(shifts) / len(shifts)
             if step == cfg.steps - 1:
                 rec["weights_sha256"] = _digest(versions[-1])
             records.append(rec)

@@ -22,8 +22,9 @@ __all__ = [
     "validate_baseline",
 ]
 
-#: The norm pass's paths (``ess_patch.norm_pass.PATHS``; a test keeps them equal).
-PATHS = ("rules", "exact")
+#: The norm pass's paths (``ess_patch.norm_pass.PATHS``; a test keeps them equal) and the
+#: forward-only proxy (``ess_patch.proxy``).
+PATHS = ("rules", "exact", "proxy")
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ def add_baseline_arguments(parser: argparse.ArgumentParser) -> None:
                 choices=PATHS,
                 default=None,
                 help="how the norm pass gets per-sample gradient norms: 'rules' (one backward, "
-                f"default) or 'exact' (one backward per sample; env {ENV_PATH})",
+                "default), 'exact' (one backward per sample) or 'proxy' (one forward, the "
+                f"logits-only estimate of verl's Optimal Token Baseline; env {ENV_PATH})",
             ),
         ),
     ]

@@ -8,7 +8,10 @@ framework's own ``compute_advantages_and_returns`` runs:
    squared norm of ``grad sum_t w_t log p(y_t)`` per sample, ``w_t`` the token's IS weight
    ``exp(log_probs - rollout_log_probs)`` (clipped as ``--use-tis`` clips), 1 without rollout
    log-probs. No weight gradient is computed and nothing the step uses changes, so every loss
-   the framework runs (PPO clipping, KL, entropy, TIS/ICEPOP) stays as it is.
+   the framework runs (PPO clipping, KL, entropy, TIS/ICEPOP) stays as it is. With
+   ``--ess-baseline-path proxy`` the pass is one forward without grad and the forward-only
+   proxy of ``ess_patch.proxy`` (``sum_t w_t^2 ||onehot(y_t) - p_t||^2``, verl's Optimal Token
+   Baseline) stands in for the norms.
 2. Groups: ``sample_indices // --n-samples-per-prompt`` (the data source numbers a prompt's
    ``n`` samples consecutively, which is also how the rollout manager's group mean groups them).
    Groups split over DP ranks are reduced over DP (``group_baseline``).
@@ -34,6 +37,7 @@ context parallelism and virtual pipelines (the norm pass runs one stage on whole
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -41,6 +45,7 @@ import torch
 from ..group_baseline import dp_min_variance_baseline
 from ..guard import EssLrNotAppliedError
 from ..norm_pass import norm_pass
+from ..proxy import proxy_sq_norms
 from ..state import STATE
 from .baseline_flags import baseline_mode, baseline_path
 
@@ -111,9 +116,8 @@ def _weights(host_args: Any, rollout_data: dict, i: int) -> torch.Tensor | None:
     return w
 
 
-def _terms_fn(model: torch.nn.Module, host_args: Any, rollout_data: dict, rows: list[int]):
-    """The norm pass's forward for ``rows``: ``sum_t w_t log p(y_t)`` per sample, padded rows."""
-    tp_group = _tp_group()
+def _padded(model: torch.nn.Module, rollout_data: dict, rows: list[int]):
+    """``rows``' tokens as one padded ``[b, s]`` batch on the model's device, and the forward."""
     device = next(model.parameters()).device
     tokens = [torch.as_tensor(rollout_data["tokens"][i]).long() for i in rows]
     width = max(t.numel() for t in tokens)
@@ -122,23 +126,67 @@ def _terms_fn(model: torch.nn.Module, host_args: Any, rollout_data: dict, rows: 
         ids[k, : t.numel()] = t
     ids = ids.to(device)
 
-    def terms() -> torch.Tensor:
+    def forward() -> torch.Tensor:
         pos = torch.arange(width, device=device)[None].expand(len(rows), -1)
-        logits = model(ids, pos, None)  # [b, s, V/tp]
+        return model(ids, pos, None)  # [b, s, V/tp]
+
+    return ids, forward
+
+
+def _response(rollout_data: dict, i: int) -> tuple[slice, slice]:
+    """Sample ``i``'s response: the positions of its logits and of its targets in its row."""
+    total = torch.as_tensor(rollout_data["tokens"][i]).numel()
+    resp = int(rollout_data["response_lengths"][i])
+    return slice(total - resp - 1, total - 1), slice(total - resp, total)
+
+
+def _coefficients(host_args: Any, rollout_data: dict, i: int, device: Any) -> tuple:
+    """Sample ``i``'s per-token loss mask and IS weight (``None``: no rollout log-probs)."""
+    mask = torch.as_tensor(rollout_data["loss_masks"][i], device=device).float()
+    w = _weights(host_args, rollout_data, i)
+    return mask, (None if w is None else w.to(device, torch.float32))
+
+
+def _terms_fn(model: torch.nn.Module, host_args: Any, rollout_data: dict, rows: list[int]):
+    """The norm pass's forward for ``rows``: ``sum_t w_t log p(y_t)`` per sample, padded rows."""
+    tp_group = _tp_group()
+    ids, forward = _padded(model, rollout_data, rows)
+
+    def terms() -> torch.Tensor:
+        logits = forward()
         out = []
         for k, i in enumerate(rows):
-            total, resp = tokens[k].numel(), int(rollout_data["response_lengths"][i])
-            lp = _token_logp(
-                logits[k, total - resp - 1 : total - 1], ids[k, total - resp : total], tp_group
-            )
-            mask = torch.as_tensor(rollout_data["loss_masks"][i], device=device).to(lp.dtype)
-            w = _weights(host_args, rollout_data, i)
-            if w is not None:
-                mask = mask * w.to(device, lp.dtype)
-            out.append((mask * lp).sum())
+            at, target = _response(rollout_data, i)
+            lp = _token_logp(logits[k, at], ids[k, target], tp_group)
+            mask, w = _coefficients(host_args, rollout_data, i, lp.device)
+            out.append(((mask if w is None else mask * w) * lp).sum())
         return torch.stack(out)
 
     return terms
+
+
+def _proxy_sq(model: torch.nn.Module, host_args: Any, rollout_data: dict, rows: list[int]):
+    """The forward-only proxy of ``rows``' squared norms: ``sum_t w_t^2 ||onehot - p||^2``
+    (``ess_patch.proxy``) from one forward without grad; TP-reduced inside."""
+    tp_group = _tp_group()
+    ids, forward = _padded(model, rollout_data, rows)
+    with torch.no_grad():
+        logits = forward()
+    start = 0 if tp_group is None else torch.distributed.get_rank(tp_group) * logits.shape[-1]
+    out = []
+    for k, i in enumerate(rows):
+        at, target = _response(rollout_data, i)
+        mask, w = _coefficients(host_args, rollout_data, i, logits.device)
+        sq = proxy_sq_norms(
+            logits[k, at][None],
+            ids[k, target][None],
+            mask[None],
+            token_weights=None if w is None else w[None],
+            tp_group=tp_group,
+            vocab_start=start,
+        )
+        out.append(sq.double())
+    return torch.cat(out)
 
 
 def _norms(framework: str, host_args: Any, rollout_data: dict) -> tuple[torch.Tensor, float]:
@@ -148,14 +196,20 @@ def _norms(framework: str, host_args: Any, rollout_data: dict) -> tuple[torch.Te
     sq, seconds = [], 0.0
     was_training = model.training
     model.eval()  # no dropout: the norms of the policy the step differentiates
+    path = baseline_path(host_args)
     try:
         for start in range(0, n, size):
             rows = list(range(start, min(n, start + size)))
+            if path == "proxy":
+                t0 = time.perf_counter()
+                sq.append(_proxy_sq(model, host_args, rollout_data, rows).cpu())
+                seconds += time.perf_counter() - t0
+                continue
             res = norm_pass(
                 model,
                 _terms_fn(model, host_args, rollout_data, rows),
                 tp_group=_tp_group(),
-                path=baseline_path(host_args),
+                path=path,
             )
             sq.append(res.sq_norms.cpu())
             seconds += res.seconds

@@ -5,7 +5,9 @@ megatron-core GPTModel (RMSNorm, no bias, SwiGLU, GQA, rope; local spec on CPU) 
 train-actor hook, single process and DP2 with every prompt group split over the two ranks. The
 expectation is independent: each sample's squared gradient norm from one backward of
 ``sum_t w_t log p(y_t)`` over all parameters (plain ``log_softmax``), then the single-process
-``min_variance_baseline``; the advantage the framework computes must be ``r_i - b*``.
+``min_variance_baseline``; the advantage the framework computes must be ``r_i - b*``. The
+forward-only proxy path (``--ess-baseline-path proxy``) is checked the same way against the
+proxy computed by hand (autograd of each token's log-prob with respect to its logits).
 Shadow mode leaves every advantage bit-identical to the unpatched routine; a routine that does
 not take the rewritten rewards stops the run on every rank; the parser refuses by name.
 """
@@ -134,13 +136,35 @@ def _brute_sq(model, data) -> torch.Tensor:
     return torch.stack(out)
 
 
-def expected_advantages(seed: int = 0) -> torch.Tensor:
+def _brute_proxy_sq(model, data) -> torch.Tensor:
+    """The proxy by hand: per token, the squared norm of the autograd gradient of
+    ``log p(y_t)`` with respect to that position's logits, times ``mask_t * w_t^2``."""
+    from ess_patch.demo.cpu import megatron_on_cpu
+
+    out = []
+    for i, tokens in enumerate(data["tokens"]):
+        total, resp = tokens.numel(), data["response_lengths"][i]
+        with torch.no_grad(), megatron_on_cpu():
+            logits = model(tokens[None], torch.arange(total)[None], None)[0]
+        z = logits[total - resp - 1 : total - 1].double().requires_grad_()
+        lp = torch.log_softmax(z, -1).gather(1, tokens[total - resp :, None]).squeeze(1)
+        w = torch.exp(data["log_probs"][i] - data["rollout_log_probs"][i]).double()
+        coef = data["loss_masks"][i].double() * w.square()
+        per_token = [
+            torch.autograd.grad(lp[t], z, retain_graph=True)[0][t].square().sum()
+            for t in range(resp)
+        ]
+        out.append((coef * torch.stack(per_token)).sum())
+    return torch.stack(out)
+
+
+def expected_advantages(seed: int = 0, proxy: bool = False) -> torch.Tensor:
     from ess_patch.baseline import min_variance_baseline
     from ess_patch.demo.policy import single_process
 
     data = _rollout(seed)
     with single_process():
-        sq = _brute_sq(_model(), data)
+        sq = (_brute_proxy_sq if proxy else _brute_sq)(_model(), data)
     ids = torch.tensor(data["sample_indices"]) // N_PER_PROMPT
     return min_variance_baseline(None, torch.tensor(data["rewards"]), sq, ids).advantages
 
@@ -227,9 +251,19 @@ def rank_baseline(fw: str, snapshot: str, case: str) -> dict:
         out["on"] = run(_args(fw, "on"), local())
         out["on_metrics"] = baseline_metrics()
         out["exact"] = run(_args(fw, "on", ess_baseline_path="exact"), local())
+        out["proxy"] = run(_args(fw, "on", ess_baseline_path="proxy"), local())
+        out["proxy_metrics"] = baseline_metrics()
         return out
     finally:
         ess_patch.uninstall()
+
+
+def _check_proxy(ranks, want: torch.Tensor) -> None:
+    got = torch.zeros(len(SHAPES), dtype=torch.float64)
+    for r in ranks:
+        assert r["proxy_metrics"]["ess_baseline_applied"] == 1.0
+        got[r["rows"]] = torch.tensor(r["proxy"], dtype=torch.float64)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got, want)
 
 
 def _check(ranks, want: torch.Tensor) -> None:
@@ -259,7 +293,9 @@ def _check(ranks, want: torch.Tensor) -> None:
 @pytest.mark.dist
 @pytest.mark.parametrize(("fw", "snapshot"), _params())
 def test_applied_advantages_are_r_minus_b_star_from_brute_force_norms(fw, snapshot, tmp_path):
-    want = expected_advantages()
+    want, want_proxy = expected_advantages(), expected_advantages(proxy=True)
+    # the proxy's b* is its own (not the exact one's): the check can tell them apart
+    assert (want - want_proxy).abs().max() > 1e-4
     for dp in (1, 2):
         ranks = run_ranks(
             rank_baseline,
@@ -269,6 +305,7 @@ def test_applied_advantages_are_r_minus_b_star_from_brute_force_norms(fw, snapsh
             timeout=180,
         )
         _check(ranks, want)
+        _check_proxy(ranks, want_proxy)
         if dp == 2:
             assert ranks[0]["on_metrics"]["ess_baseline_split_groups"] == 2.0
 
