@@ -54,6 +54,9 @@ class NormPassResult:
     seconds: float
     #: ``"rules"`` or ``"exact"``.
     path: str
+    #: Memory the pass held beyond the forward's own graph: the rules' captures (inputs and
+    #: per-trajectory pieces), or the exact path's one set of parameter gradients.
+    held_bytes: int = 0
 
 
 def _size(group: Any) -> int:
@@ -75,7 +78,7 @@ def _terms(loss_terms: Callable[[], torch.Tensor]) -> torch.Tensor:
     return terms
 
 
-def _exact(model: torch.nn.Module, terms: torch.Tensor, tp_group: Any) -> torch.Tensor:
+def _exact(model: torch.nn.Module, terms: torch.Tensor, tp_group: Any) -> tuple[torch.Tensor, int]:
     tp_rank = dist.get_rank(tp_group) if _size(tp_group) > 1 else 0
     # replicated parameters count once over TP (rank 0), sharded ones on every rank
     params = [
@@ -84,18 +87,20 @@ def _exact(model: torch.nn.Module, terms: torch.Tensor, tp_group: Any) -> torch.
         if p.requires_grad and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False))
     ]
     sq = torch.zeros(terms.numel(), dtype=torch.float64, device=terms.device)
+    held = 0
     for i in range(terms.numel()):
         grads = torch.autograd.grad(terms[i], params, retain_graph=True, allow_unused=True)
+        held = max(held, sum(g.numel() * g.element_size() for g in grads if g is not None))
         sq[i] = sum(
             (g.double().square().sum() for g in grads if g is not None),
             torch.zeros((), dtype=torch.float64, device=terms.device),
         )
-    return sq
+    return sq, held
 
 
 def _rules(
     model: torch.nn.Module, loss_terms: Callable[[], torch.Tensor], tp_group: Any
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, int]:
     grads = PerTrajectoryGrads(
         model, tp_group=tp_group, defer_linear_weights=False, unsupported="exact"
     )
@@ -108,6 +113,7 @@ def _rules(
         if inputs:
             torch.autograd.grad(terms.sum(), inputs, allow_unused=True)
         grads.stop()
+        held = grads.captured_bytes
         sq = grads.local_sq_norms().double()
         if sq.numel() != terms.numel():
             raise EssPatchValueError(
@@ -115,7 +121,7 @@ def _rules(
                 f"{sq.numel()} batch rows; the rules need one trajectory per row. Packed (THD) "
                 "rows: norm_pass(..., path='exact')"
             )
-        return sq
+        return sq, held
     finally:
         grads.remove()
 
@@ -153,9 +159,9 @@ def norm_pass(
     t0 = time.perf_counter()
     with torch.enable_grad():
         if path == "exact":
-            sq = _exact(model, _terms(loss_terms), tp_group)
+            sq, held = _exact(model, _terms(loss_terms), tp_group)
         else:
-            sq = _rules(model, loss_terms, tp_group)
+            sq, held = _rules(model, loss_terms, tp_group)
     if _size(tp_group) > 1:
         dist.all_reduce(sq, group=tp_group)
     if not bool(torch.isfinite(sq).all()):
@@ -164,4 +170,4 @@ def norm_pass(
             f"norm_pass: trajectory {index}'s squared gradient norm is {sq[index].item()}; "
             "check its log-probs and IS weight (a non-finite loss term)"
         )
-    return NormPassResult(sq_norms=sq, seconds=time.perf_counter() - t0, path=path)
+    return NormPassResult(sq_norms=sq, seconds=time.perf_counter() - t0, path=path, held_bytes=held)

@@ -46,6 +46,12 @@ def test_norms_match_one_backward_per_trajectory(world, overrides, path):
     assert res.path == path and res.seconds > 0
     assert res.sq_norms.dtype == torch.float64
     assert torch.allclose(res.sq_norms, want, rtol=2e-5), (res.sq_norms, want)
+    # what it held: the exact path one set of fp32 gradients, the rules their captures
+    params = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    if path == "exact":
+        assert res.held_bytes == params
+    else:
+        assert 0 < res.held_bytes != params
 
 
 def test_packed_rows_take_the_exact_path_and_the_rules_refuse_them(world):
