@@ -6,6 +6,11 @@ optimizer step with granularity "step"), on every rank alike, in shadow mode and
 on; the rule's state lives in ``state.STATE`` and only global rank 0 (or a process without
 torch.distributed) logs, so a run says it once, not once per rank. Logging only: nothing here
 changes an LR or a result.
+
+:func:`publish` is the one path every framework takes with a result it computed: the warning
+first, then the result kept for shadow mode's logs (``STATE.shadow``) or armed for the coming
+optimizer steps (or handed back for the caller to apply: the ledger's step wrapper, verl's
+per-mini-batch arming).
 """
 
 from __future__ import annotations
@@ -16,10 +21,11 @@ import sys
 
 from .config import EssLrConfig
 from .early_warning import MEANING, EarlyWarning
+from .guard import arm
 from .result import UNMEASURED, EssLrResult
 from .state import STATE
 
-__all__ = ["observe", "restart"]
+__all__ = ["observe", "publish", "restart"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +65,25 @@ def observe(result: EssLrResult, config: EssLrConfig, *, applied: bool, framewor
     if _logs_here():
         logger.warning(message(rule, config, result, applied=applied, framework=framework))
     return True
+
+
+def publish(
+    result: EssLrResult,
+    config: EssLrConfig,
+    *,
+    framework: str,
+    shadow: bool,
+    arm_now: bool = True,
+) -> EssLrResult:
+    """Publish one computed result, on every rank alike: :func:`observe` it, then in shadow
+    mode keep it for the logs (never applied), else arm it (``arm_now``; False: the caller
+    applies it) with the fail-closed ``ess_patch.guard.arm``. Returns ``result``."""
+    observe(result, config, applied=not shadow, framework=framework)
+    if shadow:
+        STATE.shadow = result
+    elif arm_now:
+        arm(result)
+    return result
 
 
 def message(

@@ -143,11 +143,11 @@ def _step_result(run: LedgerRun) -> EssLrResult | None:
     result = reduce_tables(
         tables, error, run, count=run.steps == 1 or run.config.granularity == "step"
     )
-    collapse_warning.observe(result, run.config, applied=not run.shadow, framework=run.framework)
-    if run.shadow:
-        STATE.shadow = result
-        return None
-    return result
+    # the step wrapper applies the result (arm_now=False)
+    collapse_warning.publish(
+        result, run.config, framework=run.framework, shadow=run.shadow, arm_now=False
+    )
+    return None if run.shadow else result
 
 
 def reduce_tables(

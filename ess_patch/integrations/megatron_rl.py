@@ -44,7 +44,7 @@ from typing import Any
 
 from .. import collapse_warning
 from ..errors import EssPatchValueError
-from ..guard import arm, refuse
+from ..guard import refuse
 from ..patching import MissingTargetError, Target
 from ..state import STATE, armed, disarm
 from . import Integration
@@ -418,12 +418,8 @@ def _compute_and_arm(args: Any, build: Callable[[], Rows], shadow: bool = False)
         calibration.restore(before)
         raise error
     assert result is not None  # no error: computed
-    collapse_warning.observe(result, config, applied=not shadow, framework=NAME)
-    if shadow:
-        STATE.shadow = result
-        logger.debug("ess-patch (%s): shadow %s", NAME, result)
-        return
-    logger.debug("ess-patch (%s): armed %s", NAME, arm(result))
+    collapse_warning.publish(result, config, framework=NAME, shadow=shadow)
+    logger.debug("ess-patch (%s): %s %s", NAME, "shadow" if shadow else "armed", result)
 
 
 # --- wrappers ----------------------------------------------------------------------------------

@@ -297,11 +297,7 @@ def advantage_wrapper(framework: Framework) -> Callable[..., Any]:
             )
         finally:
             STATE.trained_since_publish = True  # this rollout's steps move the weights
-        collapse_warning.observe(result, config, applied=enabled, framework=framework.name)
-        if enabled:
-            arm(result)
-        else:
-            STATE.shadow = result  # logged, never applied
+        collapse_warning.publish(result, config, framework=framework.name, shadow=not enabled)
         return out
 
     return wrapper

@@ -220,9 +220,11 @@ def compute_batch(data: Any, config: EssLrConfig, groups: Groups | None = None) 
     except Exception as exc:
         error = exc  # the other pipeline stages learn of it through the broadcast
     result = broadcast_from_last_stage(out, groups.pp_group, config=config, error=error)
-    # verl's shadow mode is the config's (settings(): enable and shadow never both on)
-    collapse_warning.observe(result, config, applied=not config.shadow, framework="verl")
-    return result
+    # verl's shadow mode is the config's (settings(): enable and shadow never both on); the
+    # result is armed per mini-batch, before the step that uses it (arm_now=False)
+    return collapse_warning.publish(
+        result, config, framework="verl", shadow=config.shadow, arm_now=False
+    )
 
 
 # --- adapters ----------------------------------------------------------------------------------
