@@ -258,6 +258,26 @@ def _generation_share(path: str | None) -> float | None:
     return sample / (sample + train)
 
 
+def _profile(spec: dict[str, int], form: str, rows: int) -> str:
+    """torch.profiler's table of one call of ``form`` (after a warm-up call): where it spends."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ess_patch.norm_pass import norm_pass
+
+    with _world(), _shim():
+        bench = _Bench(**spec)
+        fn = bench.form(form)
+        if form in ("rules", "exact"):  # the pass alone, without the step after it
+
+            def fn() -> None:
+                norm_pass(bench.model, bench.terms, path=form)
+
+        fn()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     import warnings
 
@@ -267,9 +287,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--demo-records", help="a demo run's records (jsonl): the demo's generation share"
     )
+    parser.add_argument(
+        "--profile",
+        choices=FORMS,
+        help="print torch.profiler's top ops of one call of this form (each model), then exit",
+    )
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+    if args.profile:
+        for label, spec in (dict(list(MODELS.items())[:1]) if args.quick else MODELS).items():
+            print(f"\n#### {label}: {LABELS[args.profile]}\n")
+            print(_profile(spec, args.profile, rows=15))
+        return 0
     g_demo = _generation_share(args.demo_records)
     shares = {"the demo's": g_demo} if g_demo is not None else {}
     shares["typical"] = 0.70

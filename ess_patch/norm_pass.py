@@ -10,12 +10,14 @@ the step then runs unchanged with the advantage ``R_i - b*``::
     res.sq_norms    # [N] float64, TP and PP summed; res.seconds, res.path
 
 ``loss_terms()`` runs the forward and returns the ``[N]`` per-trajectory terms (their sum is
-what is differentiated). The pass is one backward that computes no linear-weight gradient:
+what is differentiated). The pass is one backward that asks for no linear-weight gradient:
 ``torch.autograd.grad`` with the small parameters (norms, biases, embeddings) as its inputs, so
-the per-module hooks of ``ess_patch.per_trajectory`` fire on every module while autograd skips
-every weight-gradient matmul and writes no ``.grad`` / ``main_grad`` (megatron DDP's
-accumulation hooks and grad-sync buckets never run). Parameters, gradients and optimizer state
-are untouched; a test checks it.
+the per-module hooks of ``ess_patch.per_trajectory`` fire on every module and nothing is written
+to ``.grad`` / ``main_grad`` (megatron DDP's accumulation hooks and grad-sync buckets never
+run). Autograd skips the weight-gradient matmul of torch's own layers. Megatron-core's linear
+layers (``LinearWithGradAccumulationAndAsyncCommunication``) compute it anyway and autograd
+drops it: that is a third of the pass's matmul time (BENCHMARKS.md, section 6). Parameters,
+gradients and optimizer state are untouched; a test checks it.
 
 Paths (``path=``):
 

@@ -352,8 +352,8 @@ class PerTrajectoryGrads:
 
     def small_params(self) -> list[torch.nn.Parameter]:
         """The hooked parameters but the linear weights (norms, biases, embeddings): the
-        inputs of a backward that reaches every module and computes no weight-gradient
-        matmul (``ess_patch.norm_pass``). The linear weights if there is nothing else."""
+        inputs of a backward that reaches every module and asks for no weight gradient
+        (``ess_patch.norm_pass``). The linear weights if there is nothing else."""
         linear = {id(s.params["weight"]) for s in self._sites if s.kind == "linear"}
         small = [p for s in self._sites for p in s.params.values() if id(p) not in linear]
         return small or [p for s in self._sites for p in s.params.values()]
