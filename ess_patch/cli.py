@@ -57,6 +57,14 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
             "folder. Context parallelism is not offered: megatron's local attention has none."
         ),
     )
+    _add_run_options(demo)
+    # ESS-LR's settings, from EssLrConfig's fields: a flag given > ESS_LR_* > the default
+    add_config_options(demo, "--", DEMO_ESS_FIELDS, check=False, installed=False)
+    _add_scenario_options(demo)
+
+
+def _add_run_options(demo: argparse.ArgumentParser) -> None:
+    """One run's settings: length, layout, device, task, model, loss, staleness, arms."""
     demo.add_argument("--steps", type=int, help="optimizer steps (= rollouts) per arm [150]")
     demo.add_argument("--lag", type=int, help="maximum staleness of a rollout, in updates [8]")
     demo.add_argument("--workers", type=int, help="rollout workers per data-parallel rank [4]")
@@ -99,8 +107,10 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
         "sync, calibrated, baseline / ess+baseline (VCPO's baseline, exact norms), "
         "proxy / ess+proxy (the same, forward-only proxy norms) [off,geometric,product]",
     )
-    # ESS-LR's settings, from EssLrConfig's fields: a flag given > ESS_LR_* > the default
-    add_config_options(demo, "--", DEMO_ESS_FIELDS, check=False, installed=False)
+
+
+def _add_scenario_options(demo: argparse.ArgumentParser) -> None:
+    """Where it writes, which scenario, and the scenarios' own settings."""
     demo.add_argument("--out", type=Path, help="output folder [./ess-demo-out/<date>-<time>]")
     demo.add_argument(
         "--quick", action="store_true", help="a smoke run of a few seconds (12 steps, lag 4)"
@@ -263,20 +273,23 @@ def _run_demo(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.scenario == "stress":
-        return _run_stress(args)
-    if args.scenario == "weights":
-        return _run_weights(args)
-    if args.scenario == "collapse":
-        return _run_collapse(args)
-    if args.scenario == "main":
-        return _run_main(args)
+    runners: dict[str, Callable[[argparse.Namespace], int]] = {
+        "main": _run_main,
+        "mixed": _run_mixed,
+        "stress": _run_stress,
+        "weights": _run_weights,
+        "collapse": _run_collapse,
+    }
+    return runners[args.scenario](args)
+
+
+def _run_mixed(args: argparse.Namespace) -> int:
+    """``--scenario mixed``: one run of the arms, DP2, workers up to ``--lag`` behind."""
     if args.seeds is not None or args.lags is not None:
         print("ess-patch demo: --seeds and --lags need --scenario stress", file=sys.stderr)
         return 2
 
     from .demo import DemoConfig, quick_config, run
-    from .demo.launch import DemoError
     from .demo.train import DemoConfigError
 
     options = _demo_options(args)
@@ -308,17 +321,9 @@ def _run_demo(args: argparse.Namespace) -> int:
         bar.set_description(f"ESS-LR {arm}", refresh=False)
         bar.update(1)
 
-    try:
-        result = run(cfg, out, on_step=on_step)
-    except DemoError as exc:
-        bar.close()
-        print(str(exc), file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # the launcher has killed and joined the ranks on the way out
-        bar.close()
-        print(f"ess-patch demo: interrupted; partial outputs in {out}", file=sys.stderr)
-        return 130
-    bar.close()
+    result, code = _guarded(bar, out, lambda: run(cfg, out, on_step=on_step))
+    if code is not None:
+        return code
     print()
     print(result.table)
     print()
@@ -333,6 +338,26 @@ def _run_demo(args: argparse.Namespace) -> int:
         print(f"  {path.name}")
     print("  config.json, tb/ (TensorBoard events, if tensorboard is installed), ranks/")
     return 0
+
+
+def _guarded(bar: Any, out: Path, work: Callable[[], Any]) -> tuple[Any, int | None]:
+    """Run ``work`` and close the progress bar: (its result, None), or (None, the exit code)
+    after saying why, for a run that failed (1) or was interrupted (130; the launcher has
+    killed and joined the ranks on the way out)."""
+    from .demo.launch import DemoError
+
+    try:
+        result = work()
+    except DemoError as exc:
+        bar.close()
+        print(str(exc), file=sys.stderr)
+        return None, 1
+    except KeyboardInterrupt:
+        bar.close()
+        print(f"ess-patch demo: interrupted; partial outputs in {out}", file=sys.stderr)
+        return None, 130
+    bar.close()
+    return result, None
 
 
 def _run_stress(args: argparse.Namespace) -> int:
@@ -448,7 +473,6 @@ def _progress(total: int, unit: str, disable: bool) -> Any:
 def _run_main(args: argparse.Namespace) -> int:
     """``ess-patch demo`` (the main job): :mod:`ess_patch.demo.main_job`, one seed, printed."""
     from .demo import main_job
-    from .demo.launch import DemoError
 
     refused = [
         f"--{n.replace('_', '-')}"
@@ -495,19 +519,15 @@ def _run_main(args: argparse.Namespace) -> int:
         bar.set_description(f"{arm} done")
         bar.update(cfg.steps)
 
-    try:
-        result = main_job.run_main(
+    result, code = _guarded(
+        bar,
+        out,
+        lambda: main_job.run_main(
             cfg, out, seed=seed, jobs=jobs, cache_dir=args.cache_dir, on_run=on_run
-        )
-    except DemoError as exc:
-        bar.close()
-        print(str(exc), file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # the launcher has killed and joined the ranks on the way out
-        bar.close()
-        print(f"ess-patch demo: interrupted; partial outputs in {out}", file=sys.stderr)
-        return 130
-    bar.close()
+        ),
+    )
+    if code is not None:
+        return code
     print()
     print(result.table)
     print()
@@ -524,12 +544,10 @@ def _run_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_collapse(args: argparse.Namespace) -> int:
-    """``ess-patch demo --scenario collapse``: parse, run :mod:`ess_patch.demo.collapse`, print."""
-    import dataclasses
-
+def _collapse_settings(args: argparse.Namespace) -> tuple[Any, int] | int:
+    """The collapse scenario's config and seed count from the flags, or the exit code of a
+    refusal (already printed)."""
     from .demo import collapse
-    from .demo.launch import DemoError
 
     refused = [f"--{n}" for n in ("seed", "dp", "tp", "pp", "cp", "workers") if getattr(args, n)]
     if refused:
@@ -566,6 +584,17 @@ def _run_collapse(args: argparse.Namespace) -> int:
             )
     except ValueError as exc:  # DemoConfigError included
         return _refused(exc)
+    return cfg, seeds
+
+
+def _run_collapse(args: argparse.Namespace) -> int:
+    """``ess-patch demo --scenario collapse``: parse, run :mod:`ess_patch.demo.collapse`, print."""
+    from .demo.launch import DemoError
+
+    settings = _collapse_settings(args)
+    if isinstance(settings, int):
+        return settings
+    cfg, seeds = settings
     out = args.out
     if out is None:
         out = Path("ess-demo-out") / datetime.datetime.now().strftime("collapse-%Y%m%d-%H%M%S")
@@ -588,25 +617,7 @@ def _run_collapse(args: argparse.Namespace) -> int:
         bar.update(cfg.steps)
 
     try:
-        result = collapse.run_collapse(
-            cfg, out, seeds=range(seeds), jobs=args.jobs, cache_dir=args.cache_dir, on_run=on_run
-        )
-        files = list(result.files)
-        tables = [result.table]
-        if args.lags:
-            scale = result.summary["arms"][cfg.control_of]["mean_lr_scale"]
-            adapt = collapse.run_adaptivity(
-                dataclasses.replace(cfg, arms=("product", "constant")),
-                out,
-                seeds=range(lag_seeds),
-                lags=args.lags,
-                constant_scale=scale,
-                jobs=args.jobs,
-                cache_dir=args.cache_dir,
-                on_run=on_run,
-            )
-            files += adapt.files
-            tables.append(adapt.table)
+        result, files, tables = _collapse_runs(args, cfg, out, seeds, lag_seeds, on_run)
     except DemoError as exc:
         bar.close()
         print(str(exc), file=sys.stderr)
@@ -624,6 +635,42 @@ def _run_collapse(args: argparse.Namespace) -> int:
     for path in files:
         print(f"  {path.name}")
     return 0
+
+
+def _collapse_runs(
+    args: argparse.Namespace,
+    cfg: Any,
+    out: Path,
+    seeds: int,
+    lag_seeds: int,
+    on_run: Callable[[int, str], None],
+) -> tuple[Any, list[Path], list[str]]:
+    """The scenario's runs, then the adaptivity sweep if ``--lags``: the result, its files and
+    its tables."""
+    import dataclasses
+
+    from .demo import collapse
+
+    result = collapse.run_collapse(
+        cfg, out, seeds=range(seeds), jobs=args.jobs, cache_dir=args.cache_dir, on_run=on_run
+    )
+    files = list(result.files)
+    tables = [result.table]
+    if args.lags:
+        scale = result.summary["arms"][cfg.control_of]["mean_lr_scale"]
+        adapt = collapse.run_adaptivity(
+            dataclasses.replace(cfg, arms=("product", "constant")),
+            out,
+            seeds=range(lag_seeds),
+            lags=args.lags,
+            constant_scale=scale,
+            jobs=args.jobs,
+            cache_dir=args.cache_dir,
+            on_run=on_run,
+        )
+        files += adapt.files
+        tables.append(adapt.table)
+    return result, files, tables
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -36,7 +36,7 @@ from typing import Any
 
 from ..config import EssLrConfig
 from ..errors import EssPatchValueError
-from . import criterion, stats
+from . import criterion, report, stats
 from .train import DemoConfig
 from .warm_start import WarmStart
 
@@ -136,7 +136,6 @@ def _run_one(
     on_step: Callable[[str, int], None] | None = None,
 ) -> list[dict[str, Any]]:
     """One (arm, seed) run, from its cache file if the same config ran before."""
-    from . import report
     from .launch import launch
 
     run_cfg = _arm_config(cfg, arm, seed, cache_dir)
@@ -339,19 +338,6 @@ def format_tables(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-COLORS = {
-    "sync": "black",
-    "off": "tab:red",
-    "product": "tab:blue",
-    "geometric": "tab:green",
-    "calibrated": "tab:cyan",
-    "constant": "0.5",
-    "baseline": "tab:purple",
-    "ess+baseline": "tab:orange",
-    "vcpo": "tab:brown",
-}
-
-
 def write_figure(
     runs: dict[int, dict[str, list[dict[str, Any]]]],
     arms: Sequence[str],
@@ -361,59 +347,55 @@ def write_figure(
 ) -> None:
     """One seed's reward, rho, LR scale, grad norm, entropy and KL vs step for every arm,
     and every seed's smoothed reward (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
     seeds = sorted(runs)
     seed = seeds[0] if seed is None else seed
-    fig, axes = plt.subplots(4, 2, figsize=(12, 12), constrained_layout=True)
-    ax = axes.flatten()
-    panels = [
-        ("reward", f"reward (smoothed), seed {seed}", False),
-        ("rho", "rho = ESS / B (product weights)", False),
-        ("lr_scale", "LR scale (applied / scheduled)", False),
-        ("grad_norm", "gradient norm (before clipping)", True),
-        ("entropy", "policy entropy (nats / token)", False),
-        ("kl", "KL(rollout || policy), k3, per token", True),
-    ]
-    for arm in arms:
-        color = COLORS.get(arm)
-        rows = runs[seed].get(arm, [])
-        steps = [r["step"] for r in rows]
-        for i, (key, _, _) in enumerate(panels):
-            values = [r[key] for r in rows]
-            if key == "reward":
-                values = criterion.smooth(values)
-            ax[i].plot(steps, values, color=color, label=arm, linewidth=1)
-        for s in seeds:
-            rec = runs[s].get(arm, [])
-            ax[6].plot(
-                [r["step"] for r in rec],
-                criterion.smooth([r["reward"] for r in rec]),
-                color=color,
-                linewidth=0.7,
-                alpha=0.6,
-                label=arm if s == seeds[0] else None,
-            )
-    for i, (_, label, log) in enumerate(panels):
-        ax[i].set_ylabel(label, fontsize=8)
-        if log:
-            ax[i].set_yscale("log")
-    ax[6].set_ylabel(f"smoothed reward, every seed ({len(seeds)})", fontsize=8)
-    finals = {a: [criterion.judge(runs[s][a]).final for s in seeds] for a in arms}
-    for j, arm in enumerate(arms):
-        ax[7].scatter([j] * len(seeds), finals[arm], color=COLORS.get(arm), alpha=0.7)
-    ax[7].set_xticks(range(len(arms)), arms, rotation=30, fontsize=8)
-    ax[7].set_ylabel("final smoothed reward per seed", fontsize=8)
-    for a in ax:
-        a.grid(alpha=0.3)
-    ax[0].legend(fontsize=7)
-    ax[6].legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with report.figure(path, 4, 2, figsize=(12, 12), constrained_layout=True, dpi=100) as (
+        fig,
+        axes,
+    ):
+        ax = axes.flatten()
+        panels = [
+            ("reward", f"reward (smoothed), seed {seed}", False),
+            ("rho", "rho = ESS / B (product weights)", False),
+            ("lr_scale", "LR scale (applied / scheduled)", False),
+            ("grad_norm", "gradient norm (before clipping)", True),
+            ("entropy", "policy entropy (nats / token)", False),
+            ("kl", "KL(rollout || policy), k3, per token", True),
+        ]
+        for arm in arms:
+            color = report.COLORS.get(arm)
+            rows = runs[seed].get(arm, [])
+            steps = [r["step"] for r in rows]
+            for i, (key, _, _) in enumerate(panels):
+                values = [r[key] for r in rows]
+                if key == "reward":
+                    values = criterion.smooth(values)
+                ax[i].plot(steps, values, color=color, label=arm, linewidth=1)
+            for s in seeds:
+                rec = runs[s].get(arm, [])
+                ax[6].plot(
+                    [r["step"] for r in rec],
+                    criterion.smooth([r["reward"] for r in rec]),
+                    color=color,
+                    linewidth=0.7,
+                    alpha=0.6,
+                    label=arm if s == seeds[0] else None,
+                )
+        for i, (_, label, log) in enumerate(panels):
+            ax[i].set_ylabel(label, fontsize=8)
+            if log:
+                ax[i].set_yscale("log")
+        ax[6].set_ylabel(f"smoothed reward, every seed ({len(seeds)})", fontsize=8)
+        finals = {a: [criterion.judge(runs[s][a]).final for s in seeds] for a in arms}
+        for j, arm in enumerate(arms):
+            ax[7].scatter([j] * len(seeds), finals[arm], color=report.COLORS.get(arm), alpha=0.7)
+        ax[7].set_xticks(range(len(arms)), arms, rotation=30, fontsize=8)
+        ax[7].set_ylabel("final smoothed reward per seed", fontsize=8)
+        for a in ax:
+            a.grid(alpha=0.3)
+        ax[0].legend(fontsize=7)
+        ax[6].legend(fontsize=7)
+        fig.suptitle(title, fontsize=10)
 
 
 @dataclass

@@ -3,9 +3,10 @@ and where the time went."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -138,16 +139,40 @@ def write_jsonl(records: Sequence[dict[str, Any]], path: Path) -> None:
             f.write(json.dumps(r) + "\n")
 
 
+#: One colour per arm, for every scenario's figures.
 COLORS = {
+    "sync": "black",
     "off": "tab:red",
-    "on": "tab:purple",
-    "geometric": "tab:green",
+    "on": "tab:pink",
     "product": "tab:blue",
-    "vcpo": "tab:orange",
-    "constant": "0.4",
+    "geometric": "tab:green",
+    "calibrated": "tab:cyan",
+    "constant": "0.5",
+    "baseline": "tab:purple",
+    "ess+baseline": "tab:orange",
+    "proxy": "tab:olive",
+    "ess+proxy": "gold",
+    "vcpo": "tab:brown",
 }
 #: Per-step time fields the ranks record (the writer rank's own clock).
 TIME_FIELDS = ("time_sample_s", "time_train_s", "time_ess_s", "time_publish_s")
+
+
+@contextlib.contextmanager
+def figure(path: Path, *args: Any, dpi: int = 110, **kwargs: Any) -> Iterator[tuple[Any, Any]]:
+    """Every demo figure's frame: matplotlib without a display, ``plt.subplots(*args,
+    **kwargs)``, saved to ``path`` as PNG at ``dpi`` when the block ends, closed always."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(*args, **kwargs)
+    try:
+        yield fig, axes
+        fig.savefig(path, dpi=dpi)
+    finally:
+        plt.close(fig)
 
 
 def _scale_to_data(ax: Any, values: Sequence[float]) -> None:
@@ -166,39 +191,39 @@ def write_figure(
     records: Sequence[dict[str, Any]], arms: Sequence[str], path: Path, title: str
 ) -> None:
     """Reward, rho, lr_scale and train/rollout mismatch against step, both arms (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(4, 1, figsize=(9, 10), sharex=True, constrained_layout=True)
-    for arm in arms:
-        rows = sorted((r for r in records if r["arm"] == arm), key=lambda r: r["step"])
-        if not rows:
-            continue
-        steps = [r["step"] for r in rows]
-        color = COLORS.get(arm)
-        label = f"ESS-LR {arm}"
-        rewards = [r["reward"] for r in rows]
-        axes[0].plot(steps, rewards, color=color, alpha=0.25, linewidth=0.8)
-        axes[0].plot(steps, smooth(rewards, window(len(rows))), color=color, label=label)
-        axes[1].plot(steps, [r["rho"] for r in rows], color=color, label=label, linewidth=1)
-        axes[2].plot(steps, [r["lr_scale"] for r in rows], color=color, label=label, linewidth=1)
-        axes[3].plot(steps, [r["mismatch"] for r in rows], color=color, label=label, linewidth=1)
-    axes[0].set_ylabel("reward\n(rollout mean)")
-    axes[1].set_ylabel("rho = ESS / B")
-    axes[2].set_ylabel("lr_scale\n(applied / scheduled)")
-    axes[3].set_ylabel("mismatch\nmean |Δ logp|")
-    axes[3].set_title("train/rollout mismatch: mean |logp_train - logp_rollout|", fontsize=9)
-    for ax, key in ((axes[1], "rho"), (axes[2], "lr_scale")):
-        _scale_to_data(ax, [r[key] for r in records if r["arm"] in arms])
-    axes[3].set_xlabel("optimizer step (= rollout)")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(loc="best", fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, 4, 1, figsize=(9, 10), sharex=True, constrained_layout=True, dpi=110) as (
+        fig,
+        axes,
+    ):
+        for arm in arms:
+            rows = sorted((r for r in records if r["arm"] == arm), key=lambda r: r["step"])
+            if not rows:
+                continue
+            steps = [r["step"] for r in rows]
+            color = COLORS.get(arm)
+            label = f"ESS-LR {arm}"
+            rewards = [r["reward"] for r in rows]
+            axes[0].plot(steps, rewards, color=color, alpha=0.25, linewidth=0.8)
+            axes[0].plot(steps, smooth(rewards, window(len(rows))), color=color, label=label)
+            axes[1].plot(steps, [r["rho"] for r in rows], color=color, label=label, linewidth=1)
+            axes[2].plot(
+                steps, [r["lr_scale"] for r in rows], color=color, label=label, linewidth=1
+            )
+            axes[3].plot(
+                steps, [r["mismatch"] for r in rows], color=color, label=label, linewidth=1
+            )
+        axes[0].set_ylabel("reward\n(rollout mean)")
+        axes[1].set_ylabel("rho = ESS / B")
+        axes[2].set_ylabel("lr_scale\n(applied / scheduled)")
+        axes[3].set_ylabel("mismatch\nmean |Δ logp|")
+        axes[3].set_title("train/rollout mismatch: mean |logp_train - logp_rollout|", fontsize=9)
+        for ax, key in ((axes[1], "rho"), (axes[2], "lr_scale")):
+            _scale_to_data(ax, [r[key] for r in records if r["arm"] in arms])
+        axes[3].set_xlabel("optimizer step (= rollout)")
+        for ax in axes:
+            ax.grid(alpha=0.3)
+            ax.legend(loc="best", fontsize=8)
+        fig.suptitle(title, fontsize=10)
 
 
 def timing(records: Sequence[dict[str, Any]], arms: Sequence[str]) -> dict[str, dict[str, float]]:

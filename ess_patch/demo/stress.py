@@ -138,71 +138,70 @@ def format_tables(summary: dict[str, Any]) -> str:
 
 def write_figure(summary: dict[str, Any], records: Sequence[dict[str, Any]], path: Path) -> None:
     """Mean reward curve per arm (main lag), per-seed final rewards, final reward vs lag."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
     cfg = summary["config"]
     arms = list(cfg["arms"])
     sweep = len(summary["by_lag"]) > 1
-    fig, axes = plt.subplots(
-        1, 3 if sweep else 2, figsize=(14 if sweep else 10, 4), constrained_layout=True
-    )
-    main = [r for r in records if r["lag_max"] == cfg["lag"]]
-    seeds = sorted({r["seed"] for r in main})
-    for i, arm in enumerate(arms):
-        color = report.COLORS.get(arm)
-        curves = []
-        for seed in seeds:
-            rows = sorted(
-                (r for r in main if r["arm"] == arm and r["seed"] == seed), key=lambda r: r["step"]
+    with report.figure(
+        path,
+        1,
+        3 if sweep else 2,
+        figsize=(14 if sweep else 10, 4),
+        constrained_layout=True,
+        dpi=110,
+    ) as (fig, axes):
+        main = [r for r in records if r["lag_max"] == cfg["lag"]]
+        seeds = sorted({r["seed"] for r in main})
+        for i, arm in enumerate(arms):
+            color = report.COLORS.get(arm)
+            curves = []
+            for seed in seeds:
+                rows = sorted(
+                    (r for r in main if r["arm"] == arm and r["seed"] == seed),
+                    key=lambda r: r["step"],
+                )
+                curves.append(report.smooth([r["reward"] for r in rows], report.window(len(rows))))
+            mean = [sum(c[t] for c in curves) / len(curves) for t in range(len(curves[0]))]
+            axes[0].plot(range(len(mean)), mean, color=color, label=arm)
+            finals = [c[-1] for c in curves]
+            axes[1].scatter([i] * len(finals), finals, color=color, alpha=0.7)
+            mean_final = sum(finals) / len(finals)
+            lo, hi = summary["by_lag"][str(cfg["lag"])]["arms"][arm]["final_ci"]
+            axes[1].plot([i - 0.2, i + 0.2], [mean_final] * 2, color=color)
+            axes[1].errorbar(
+                [i + 0.25],
+                [mean_final],
+                yerr=[[mean_final - lo], [hi - mean_final]],
+                color=color,
+                capsize=4,
+                linewidth=1.5,
             )
-            curves.append(report.smooth([r["reward"] for r in rows], report.window(len(rows))))
-        mean = [sum(c[t] for c in curves) / len(curves) for t in range(len(curves[0]))]
-        axes[0].plot(range(len(mean)), mean, color=color, label=arm)
-        finals = [c[-1] for c in curves]
-        axes[1].scatter([i] * len(finals), finals, color=color, alpha=0.7)
-        mean_final = sum(finals) / len(finals)
-        lo, hi = summary["by_lag"][str(cfg["lag"])]["arms"][arm]["final_ci"]
-        axes[1].plot([i - 0.2, i + 0.2], [mean_final] * 2, color=color)
-        axes[1].errorbar(
-            [i + 0.25],
-            [mean_final],
-            yerr=[[mean_final - lo], [hi - mean_final]],
-            color=color,
-            capsize=4,
-            linewidth=1.5,
+        axes[0].set_xlabel("optimizer step")
+        axes[0].set_ylabel(f"smoothed reward, mean of {len(seeds)} seeds")
+        axes[0].legend(fontsize=8)
+        axes[1].set_xticks(range(len(arms)), arms)
+        axes[1].set_ylabel("final reward per seed (bar: mean, whiskers: 95% CI)")
+        if sweep:
+            lags = [int(k) for k in summary["by_lag"]]
+            for arm in arms:
+                axes[2].plot(
+                    lags,
+                    [summary["by_lag"][str(g)]["arms"][arm]["final_mean"] for g in lags],
+                    marker="o",
+                    color=report.COLORS.get(arm),
+                    label=arm,
+                )
+            axes[2].set_xscale("symlog", linthresh=4)
+            axes[2].set_xticks(lags, [str(g) for g in lags])
+            axes[2].set_xlabel("max lag")
+            axes[2].set_ylabel("final reward, mean over seeds")
+            axes[2].legend(fontsize=8)
+        for ax in axes:
+            ax.grid(alpha=0.3)
+        fig.suptitle(
+            f"ess-patch demo --scenario stress: {cfg['loss']} loss, lr {cfg['lr']:g}, "
+            f"max lag {cfg['lag']}, {cfg['steps']} steps, {len(seeds)} paired seeds",
+            fontsize=10,
         )
-    axes[0].set_xlabel("optimizer step")
-    axes[0].set_ylabel(f"smoothed reward, mean of {len(seeds)} seeds")
-    axes[0].legend(fontsize=8)
-    axes[1].set_xticks(range(len(arms)), arms)
-    axes[1].set_ylabel("final reward per seed (bar: mean, whiskers: 95% CI)")
-    if sweep:
-        lags = [int(k) for k in summary["by_lag"]]
-        for arm in arms:
-            axes[2].plot(
-                lags,
-                [summary["by_lag"][str(g)]["arms"][arm]["final_mean"] for g in lags],
-                marker="o",
-                color=report.COLORS.get(arm),
-                label=arm,
-            )
-        axes[2].set_xscale("symlog", linthresh=4)
-        axes[2].set_xticks(lags, [str(g) for g in lags])
-        axes[2].set_xlabel("max lag")
-        axes[2].set_ylabel("final reward, mean over seeds")
-        axes[2].legend(fontsize=8)
-    for ax in axes:
-        ax.grid(alpha=0.3)
-    fig.suptitle(
-        f"ess-patch demo --scenario stress: {cfg['loss']} loss, lr {cfg['lr']:g}, "
-        f"max lag {cfg['lag']}, {cfg['steps']} steps, {len(seeds)} paired seeds",
-        fontsize=10,
-    )
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def run_stress(

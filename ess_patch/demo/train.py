@@ -178,6 +178,13 @@ class DemoConfig:
         unknown = [a for a in self.arms if a not in ARMS]
         if unknown or not self.arms or len(set(self.arms)) != len(self.arms):
             raise DemoConfigError("arms", self.arms, f"give distinct arms among {ARMS}")
+        # in this order: the first wrong setting is the one named
+        self._check_sizes()
+        self._check_shapes()
+        self._check_training()
+
+    def _check_sizes(self) -> None:
+        """Counts, the layout and the device."""
         for name in (
             "steps",
             "dp",
@@ -218,6 +225,9 @@ class DemoConfig:
                 f"{self.world_size} ranks need {self.world_size} GPUs, "
                 f"{torch.cuda.device_count()} visible",
             )
+
+    def _check_shapes(self) -> None:
+        """What the task, the model and the layout must divide."""
         if self.task not in task_mod.TASKS:
             raise DemoConfigError("task", self.task, f"give one of {task_mod.TASKS}")
         if not MIN_RESPONSE <= self.response_len <= MAX_RESPONSE:
@@ -248,6 +258,9 @@ class DemoConfig:
                 f"the proxy arms take b* in the loss: a micro-batch ({mb} rollouts) must hold "
                 f"whole groups of {self.group_size}",
             )
+
+    def _check_training(self) -> None:
+        """The loss, the staleness, the arms' own settings, the tape and ESS-LR's config."""
         if self.loss not in LOSSES:
             raise DemoConfigError("loss", self.loss, f"give one of {LOSSES}")
         if self.staleness not in STALENESS:
@@ -654,7 +667,6 @@ def _train_arm(
 ) -> tuple[list[dict[str, Any]], list[float], bool]:
     """One arm's run; returns the writer's records, the scale of each step, is-writer."""
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     torch.manual_seed(cfg.seed)
     if cfg.device == "cuda":
@@ -669,31 +681,106 @@ def _train_arm(
         engine = RolloutEngine(cfg.spec, tp=cfg.tp, device=cfg.device)
     lay = _Layout.current(model.config)
     last = ps.is_pipeline_last_stage()
-    glue = None
-    if arm_name in BASELINE_ARMS:
-        from .opob import BaselineGlue
-
-        glue = BaselineGlue(
-            model,
-            ddp,
-            tp_group=ps.get_tensor_model_parallel_group(),
-            pp_group=lay.pp_group,
-            dp_group=lay.dp_group,
-        )
-        group_ids = torch.arange(cfg.prompts_per_rank).repeat_interleave(cfg.group_size)
+    glue = _baseline_glue(arm_name, model, ddp, lay)
+    group_ids = torch.arange(cfg.prompts_per_rank).repeat_interleave(cfg.group_size)
     writer = is_writer(cfg, lay)
-    tape = (
-        RolloutTape(
-            cfg.rollout_tape,
-            cfg.tape_mode,
-            arm_name,
-            lay.dp_rank,
-            writes=lay.tp_rank == 0 and lay.pp_rank == 0,
-        )
-        if cfg.rollout_tape
-        else None
-    )
+    tape = _tape(cfg, arm_name, lay)
 
+    applied, hooks = _lr_recorder(optimizer)
+    ess_config = cfg.ess_config(arm_name)
+    lag = 0 if arm_name == "sync" else cfg.lag
+    if arm_name == "constant" and cfg.constant_scale is not None:
+        constant = cfg.constant_scale
+    calibration.restart()  # each arm is a run of its own (calibrate_rollouts)
+    scales: list[float] = []
+    versions: deque[dict[str, Any]] = deque([_publish(model, lay, cfg)], maxlen=lag + 1)
+    mb = cfg.rollouts_per_rank // cfg.microbatches
+    masks = [torch.ones(cfg.response_len, device=cfg.device) for _ in range(cfg.rollouts_per_rank)]
+    records = []
+    for step in range(cfg.steps):
+        t0 = time.perf_counter()
+        with shim():
+            roll = _sample(cfg, engine, versions, step, lay, lag, tape)
+        t1, c1 = time.perf_counter(), time.thread_time()
+
+        micro = _micro_batches(cfg, arm_name, roll, mb, ones=glue is not None)
+        stash: list[torch.Tensor] = []  # the last stage's log-probs, per micro-batch
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        if glue is not None:
+            glue.begin(roll.rewards, group_ids)
+        with shim():
+            losses = _forward_backward(cfg, ddp, micro, stash)
+        t2, c2 = time.perf_counter(), time.thread_time()
+
+        # ESS over the step's trajectories: every rank, the last stage's log-probs
+        logp = torch.cat(stash) if last else None
+        scale, rho, ess = _arm_step(cfg, arm_name, ess_config, logp, roll, masks, lay, constant)
+        scales.append(scale)
+        t3, c3 = time.perf_counter(), time.thread_time()
+
+        with shim():
+            scheduled, ok, grad_norm = _optimizer_step(optimizer, scheduler, applied)
+        t4, c4 = time.perf_counter(), time.thread_time()
+
+        versions.append(_publish(model, lay, cfg))
+        t5 = time.perf_counter()
+
+        stats = _step_stats(cfg, logp, roll, losses, lay) if last else None
+        if writer:
+            assert stats is not None
+            rec = {
+                "arm": arm_name,
+                "step": step,
+                **stats,
+                **_ess_fields(cfg, rho, ess, lag, scale),
+                **_lr_fields(scheduled, applied, grad_norm, ok),
+                **_time_fields((t0, t1, t2, t3, t4, t5), (c1, c2, c3, c4)),
+            }
+            rec.update(_baseline_fields(arm_name, glue, losses))
+            if step == cfg.steps - 1:
+                rec["weights_sha256"] = _digest(versions[-1])
+            records.append(rec)
+            if progress is not None:
+                progress.put((arm_name, step))
+    _teardown(cfg, hooks, glue)
+    return records, scales, writer
+
+
+def _teardown(cfg: DemoConfig, hooks: list[Any], glue: Any) -> None:
+    """Leave nothing of the arm behind: the LR hooks, the glue's hooks, the armed scale."""
+    for hook in hooks:
+        hook.remove()
+    if glue is not None:
+        glue.remove()
+    if cfg.install_ess:
+        disarm()
+
+
+def _optimizer_step(optimizer: Any, scheduler: Any, applied: list[float]) -> tuple:
+    """megatron's optimizer step and the scheduler's: (the scheduled LRs, ok, grad norm);
+    ``applied`` gets the LRs the step applied."""
+    scheduled = [group["lr"] for group in optimizer.param_groups]
+    applied.clear()
+    ok, grad_norm, _ = optimizer.step()
+    scheduler.step(increment=1)
+    return scheduled, ok, grad_norm
+
+
+def _ess_fields(cfg: DemoConfig, rho: float, ess: float, lag: int, scale: float) -> dict:
+    """A record's ESS fields: rho, ESS, the batch, the lag and the scale armed."""
+    return {
+        "rho": rho,
+        "ess": ess,
+        "num_trajectories": cfg.rollouts_per_rank * cfg.dp,
+        "lag_max": lag,
+        "lr_scale": scale,
+    }
+
+
+def _lr_recorder(optimizer: Any) -> tuple[list[float], list[Any]]:
+    """A list that each leaf optimizer's ``step`` fills with the LRs it applies, and the hooks
+    (to remove)."""
     applied: list[float] = []
 
     def record_lr(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -703,142 +790,152 @@ def _train_arm(
         leaf.optimizer.register_step_pre_hook(record_lr)
         for leaf in getattr(optimizer, "chained_optimizers", [optimizer])
     ]
-    ess_config = cfg.ess_config(arm_name)
-    lag = 0 if arm_name == "sync" else cfg.lag
-    if arm_name == "constant" and cfg.constant_scale is not None:
-        constant = cfg.constant_scale
-    calibration.restart()  # each arm is a run of its own (calibrate_rollouts)
-    scales: list[float] = []
-    versions: deque[dict[str, Any]] = deque([_publish(model, lay, cfg)], maxlen=lag + 1)
-    forward_backward = get_forward_backward_func()
+    return applied, hooks
+
+
+def _forward_backward(cfg: DemoConfig, ddp: Any, micro: list[dict], stash: list) -> Any:
+    """megatron's schedule over the step's micro-batches (the last stage's log-probs go to
+    ``stash``); returns the losses' reports."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
     n, mb = cfg.response_len, cfg.rollouts_per_rank // cfg.microbatches
-    seq_len = task_mod.prompt_length(cfg.task, n) + n - 1
-    masks = [torch.ones(n, device=cfg.device) for _ in range(cfg.rollouts_per_rank)]
-    records = []
-    for step in range(cfg.steps):
-        t0 = time.perf_counter()
-        with shim():
-            roll = _sample(cfg, engine, versions, step, lay, lag, tape)
-        t1, c1 = time.perf_counter(), time.thread_time()
+    return get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, cfg, stash),
+        data_iterator=iter(micro),
+        model=[ddp],
+        num_microbatches=cfg.microbatches,
+        seq_length=task_mod.prompt_length(cfg.task, n) + n - 1,
+        micro_batch_size=mb,
+        forward_only=False,
+    )
 
-        ids, pos = train_inputs(roll.prompts, roll.tokens)
-        # the baseline arms' loss has advantage 1: the glue rewrites it to R - b* in finalize
-        adv = torch.ones_like(roll.advantages) if glue else roll.advantages
-        micro = [
-            {
-                "input_ids": ids[i : i + mb],
-                "position_ids": pos[i : i + mb],
-                "tokens": roll.tokens[i : i + mb],
-                "rollout_logp": roll.logp[i : i + mb],
-                "advantages": adv[i : i + mb].to(cfg.device),
-                **(
-                    {
-                        "rewards": roll.rewards[i : i + mb].to(cfg.device),
-                        "group_ids": torch.arange(mb, device=cfg.device) // cfg.group_size,
-                    }
-                    if arm_name in PROXY_ARMS
-                    else {}
-                ),
-            }
-            for i in range(0, cfg.rollouts_per_rank, mb)
-        ]
-        stash: list[torch.Tensor] = []  # the last stage's log-probs, per micro-batch
-        forward_step = partial(_forward_step, cfg, stash)
 
-        ddp.zero_grad_buffer()
-        optimizer.zero_grad()
-        if glue is not None:
-            glue.begin(roll.rewards, group_ids)
-        with shim():
-            losses = forward_backward(
-                forward_step_func=forward_step,
-                data_iterator=iter(micro),
-                model=[ddp],
-                num_microbatches=cfg.microbatches,
-                seq_length=seq_len,
-                micro_batch_size=mb,
-                forward_only=False,
-            )
-        t2, c2 = time.perf_counter(), time.thread_time()
+def _baseline_fields(arm_name: str, glue: Any, losses: Any) -> dict[str, Any]:
+    """A record's baseline fields: the glue's metrics (averaged over DP in finalize: reading
+    them is local) and, for the proxy arms, the mean |b* - group mean| over this rank's
+    micro-batches (the demo's groups stay local)."""
+    out = {f"opob_{k}": v for k, v in (glue.metrics() if glue is not None else {}).items()}
+    if arm_name in PROXY_ARMS:
+        shifts = [float(x["proxy_abs_shift"]) for x in losses]
+        out["opob_proxy_abs_shift"] = sum(shifts) / len(shifts)
+    return out
 
-        # ESS over the step's trajectories: every rank, the last stage's log-probs
-        logp = torch.cat(stash) if last else None
-        if cfg.install_ess:
-            result = compute_ess_lr(
-                list(logp) if last else None,
-                list(roll.logp) if last else None,
-                masks,
-                config=ess_config,
-                dp_group=lay.dp_group,
-                pp_group=lay.pp_group,
-            )
-            if arm_name in ("off", "sync", "baseline", "proxy"):
-                disarm()
-                scales.append(1.0)
-            elif arm_name == "constant":
-                scales.append(arm(constant).scale)
-            else:
-                scales.append(arm(result).scale)
-            rho, ess = result.rho, result.ess
-        else:
-            scales.append(1.0)
-            rho = ess = math.nan
-        t3, c3 = time.perf_counter(), time.thread_time()
 
-        scheduled = [group["lr"] for group in optimizer.param_groups]
-        applied.clear()
-        with shim():
-            ok, grad_norm, _ = optimizer.step()
-        scheduler.step(increment=1)
-        t4, c4 = time.perf_counter(), time.thread_time()
+def _baseline_glue(arm_name: str, model: Any, ddp: Any, lay: _Layout) -> Any:
+    """The baseline arms' glue (b* and the rewrite in finalize), None for the other arms."""
+    if arm_name not in BASELINE_ARMS:
+        return None
+    from megatron.core import parallel_state as ps
 
-        versions.append(_publish(model, lay, cfg))
-        t5 = time.perf_counter()
+    from .opob import BaselineGlue
 
-        stats = _step_stats(cfg, logp, roll, losses, lay) if last else None
-        # the glue averaged its metrics over DP inside finalize; reading them is local
-        baseline_metrics = glue.metrics() if glue is not None else {}
-        if writer:
-            assert stats is not None
-            rec = {
-                "arm": arm_name,
-                "step": step,
-                **stats,
-                "rho": rho,
-                "ess": ess,
-                "num_trajectories": cfg.rollouts_per_rank * cfg.dp,
-                "lag_max": lag,
-                "lr_scale": scales[-1],
-                "scheduled_lr": scheduled[0],
-                "applied_lr": applied[0] if applied else math.nan,
-                "scheduled_lrs": scheduled,
-                "applied_lrs": list(applied),
-                "grad_norm": math.nan if grad_norm is None else float(grad_norm),
-                "update_successful": bool(ok),
-                "time_sample_s": t1 - t0,
-                "time_train_s": (t2 - t1) + (t4 - t3),
-                "time_ess_s": t3 - t2,
-                "time_publish_s": t5 - t4,
-                # this thread's CPU time: the work itself, without waiting for peers
-                "cpu_train_s": (c2 - c1) + (c4 - c3),
-                "cpu_ess_s": c3 - c2,
-            }
-            rec.update({f"opob_{k}": v for k, v in baseline_metrics.items()})
-            if arm_name in PROXY_ARMS:  # this rank's micro-batches (the demo's groups stay local)
-                shifts = [float(x["proxy_abs_shift"]) for x in losses]
-                rec["opob_proxy_abs_shift"] = sum(shifts) / len(shifts)
-            if step == cfg.steps - 1:
-                rec["weights_sha256"] = _digest(versions[-1])
-            records.append(rec)
-            if progress is not None:
-                progress.put((arm_name, step))
-    for hook in hooks:
-        hook.remove()
-    if glue is not None:
-        glue.remove()
-    if cfg.install_ess:
+    return BaselineGlue(
+        model,
+        ddp,
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp_group=lay.pp_group,
+        dp_group=lay.dp_group,
+    )
+
+
+def _tape(cfg: DemoConfig, arm_name: str, lay: _Layout) -> RolloutTape | None:
+    """The rollout tape this rank records or replays, if the config names one."""
+    if not cfg.rollout_tape:
+        return None
+    return RolloutTape(
+        cfg.rollout_tape,
+        cfg.tape_mode,
+        arm_name,
+        lay.dp_rank,
+        writes=lay.tp_rank == 0 and lay.pp_rank == 0,
+    )
+
+
+def _micro_batches(
+    cfg: DemoConfig, arm_name: str, roll: _Rollout, mb: int, *, ones: bool
+) -> list[dict[str, torch.Tensor]]:
+    """The step's micro-batches of ``mb`` rollouts; ``ones``: advantage 1 (the baseline glue
+    rewrites it to R - b* in finalize). The proxy arms also carry rewards and group ids."""
+    ids, pos = train_inputs(roll.prompts, roll.tokens)
+    adv = torch.ones_like(roll.advantages) if ones else roll.advantages
+    return [
+        {
+            "input_ids": ids[i : i + mb],
+            "position_ids": pos[i : i + mb],
+            "tokens": roll.tokens[i : i + mb],
+            "rollout_logp": roll.logp[i : i + mb],
+            "advantages": adv[i : i + mb].to(cfg.device),
+            **(
+                {
+                    "rewards": roll.rewards[i : i + mb].to(cfg.device),
+                    "group_ids": torch.arange(mb, device=cfg.device) // cfg.group_size,
+                }
+                if arm_name in PROXY_ARMS
+                else {}
+            ),
+        }
+        for i in range(0, cfg.rollouts_per_rank, mb)
+    ]
+
+
+def _arm_step(
+    cfg: DemoConfig,
+    arm_name: str,
+    ess_config: EssLrConfig,
+    logp: torch.Tensor | None,
+    roll: _Rollout,
+    masks: list[torch.Tensor],
+    lay: _Layout,
+    constant: float,
+) -> tuple[float, float, float]:
+    """ESS over the step's trajectories (every rank; the last stage's log-probs), then the
+    arm's scale armed for the coming optimizer step: (scale, rho, ess)."""
+    if not cfg.install_ess:
+        return 1.0, math.nan, math.nan
+    last = logp is not None
+    result = compute_ess_lr(
+        list(logp) if last else None,
+        list(roll.logp) if last else None,
+        masks,
+        config=ess_config,
+        dp_group=lay.dp_group,
+        pp_group=lay.pp_group,
+    )
+    if arm_name in ("off", "sync", "baseline", "proxy"):
         disarm()
-    return records, scales, writer
+        scale = 1.0
+    elif arm_name == "constant":
+        scale = arm(constant).scale
+    else:
+        scale = arm(result).scale
+    return scale, result.rho, result.ess
+
+
+def _lr_fields(scheduled: list[float], applied: list[float], grad_norm: Any, ok: Any) -> dict:
+    """A record's LR and update fields: the scheduled LRs and those the optimizer applied."""
+    return {
+        "scheduled_lr": scheduled[0],
+        "applied_lr": applied[0] if applied else math.nan,
+        "scheduled_lrs": scheduled,
+        "applied_lrs": list(applied),
+        "grad_norm": math.nan if grad_norm is None else float(grad_norm),
+        "update_successful": bool(ok),
+    }
+
+
+def _time_fields(wall: tuple[float, ...], cpu: tuple[float, ...]) -> dict[str, float]:
+    """A record's timings from the step's wall-clock marks t0..t5 and CPU marks c1..c4."""
+    t0, t1, t2, t3, t4, t5 = wall
+    c1, c2, c3, c4 = cpu
+    return {
+        "time_sample_s": t1 - t0,
+        "time_train_s": (t2 - t1) + (t4 - t3),
+        "time_ess_s": t3 - t2,
+        "time_publish_s": t5 - t4,
+        # this thread's CPU time: the work itself, without waiting for peers
+        "cpu_train_s": (c2 - c1) + (c4 - c3),
+        "cpu_ess_s": c3 - c2,
+    }
 
 
 def _step_stats(

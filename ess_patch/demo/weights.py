@@ -310,54 +310,53 @@ def figure(rows: list[dict], path: Path) -> None:
     lag (dashed: the on-policy product rho the advice rule predicts)."""
     import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from . import report
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
-    names = list(dict.fromkeys(r["mismatch"] for r in rows))
-    lags = sorted({r["lag"] for r in rows})
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    styles = ("-o", "--s", ":^", "-.v")
-    for ax, mode in zip(axes, ("geometric", "product"), strict=True):
-        for i, name in enumerate(names):
-            for j, lag in enumerate(lags):
-                pts = sorted(
-                    (r["length"], r[f"rho_{mode}"])
-                    for r in rows
-                    if (r["mismatch"], r["lag"]) == (name, lag)
-                )
-                ax.plot(
-                    [p[0] for p in pts],
-                    [p[1] for p in pts],
-                    styles[j % len(styles)],
-                    color=colors[i % len(colors)],
-                    label=f"{name}, lag {lag}",
-                    ms=4,
-                )
+    with report.figure(path, 1, 2, figsize=(13, 4.8), dpi=110) as (fig, axes):
+        names = list(dict.fromkeys(r["mismatch"] for r in rows))
+        lags = sorted({r["lag"] for r in rows})
+        colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+        styles = ("-o", "--s", ":^", "-.v")
+        for ax, mode in zip(axes, ("geometric", "product"), strict=True):
+            for i, name in enumerate(names):
+                for j, lag in enumerate(lags):
+                    pts = sorted(
+                        (r["length"], r[f"rho_{mode}"])
+                        for r in rows
+                        if (r["mismatch"], r["lag"]) == (name, lag)
+                    )
+                    ax.plot(
+                        [p[0] for p in pts],
+                        [p[1] for p in pts],
+                        styles[j % len(styles)],
+                        color=colors[i % len(colors)],
+                        label=f"{name}, lag {lag}",
+                        ms=4,
+                    )
+                if mode == "product":
+                    pred = sorted(
+                        (r["length"], r["predicted_product_rho"])
+                        for r in rows
+                        if (r["mismatch"], r["lag"]) == (name, 0)
+                    )
+                    ax.plot(
+                        [p[0] for p in pred],
+                        [p[1] for p in pred],
+                        color=colors[i % len(colors)],
+                        lw=0.8,
+                        alpha=0.5,
+                    )
+            ax.set_xscale("log", base=2)
             if mode == "product":
-                pred = sorted(
-                    (r["length"], r["predicted_product_rho"])
-                    for r in rows
-                    if (r["mismatch"], r["lag"]) == (name, 0)
-                )
-                ax.plot(
-                    [p[0] for p in pred],
-                    [p[1] for p in pred],
-                    color=colors[i % len(colors)],
-                    lw=0.8,
-                    alpha=0.5,
-                )
-        ax.set_xscale("log", base=2)
-        if mode == "product":
-            ax.set_yscale("log")
-        else:  # it stays near 1: a linear axis shows how near
-            ax.set_ylim(0.95, 1.002)
-        ax.set_xlabel("response length (tokens)")
-        ax.set_title(f"{mode} weights")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_ylabel("rho = ESS / B")
-    axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
-    fig.suptitle("rho against response length (thin line: exp(-L v), the advice rule's prediction)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+                ax.set_yscale("log")
+            else:  # it stays near 1: a linear axis shows how near
+                ax.set_ylim(0.95, 1.002)
+            ax.set_xlabel("response length (tokens)")
+            ax.set_title(f"{mode} weights")
+            ax.grid(True, which="both", alpha=0.3)
+        axes[0].set_ylabel("rho = ESS / B")
+        axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+        fig.suptitle(
+            "rho against response length (thin line: exp(-L v), the advice rule's prediction)"
+        )
+        fig.tight_layout()

@@ -55,7 +55,9 @@ def _params():
     ]
 
 
-def _model():
+def _model(tp: int = 1):
+    """The GPTModel of every rank; with ``tp`` > 1 this rank's shard of the same weights (CPU
+    initialisation builds each master weight from the seed, then splits it)."""
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -71,6 +73,7 @@ def _model():
         add_bias_linear=False,
         gated_linear_unit=True,
         activation_func=F.silu,
+        tensor_model_parallel_size=tp,
         use_cpu_initialization=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -184,12 +187,19 @@ def _args(fw: str, mode: str | None, **extra):
 
 def rank_baseline(fw: str, snapshot: str, case: str) -> dict:
     """This rank's share (sample i on DP rank i % dp) through the real routine, off / shadow /
-    on (and, for ``case``, a fault); returns the first-token advantage of each sample."""
+    on (and, for ``case``, a fault); returns the first-token advantage of each sample.
+    ``case`` "tp2": the two ranks are one TP2 group (DP1: every sample on both), the model
+    sharded, the logits vocabulary-parallel."""
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
     from ess_patch.demo.cpu import megatron_on_cpu
     from ess_patch.integrations.baseline_flags import baseline_metrics, train_actor_wrapper
 
+    tp = 2 if case == "tp2" else 1
+    if tp > 1:
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     use_snapshot(fw, snapshot, tier="full")
     state = None
     if fw == "miles":
@@ -201,7 +211,8 @@ def rank_baseline(fw: str, snapshot: str, case: str) -> dict:
         import slime.backends.megatron_utils.loss as loss
         from slime.backends.megatron_utils.actor import MegatronTrainRayActor
 
-    rank, size = dist.get_rank(), dist.get_world_size()
+    rank, size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    assert size * tp == dist.get_world_size()
     full = _rollout()
     rows = list(range(rank, len(SHAPES), size))
 
@@ -219,7 +230,8 @@ def rank_baseline(fw: str, snapshot: str, case: str) -> dict:
     ess_patch.install(["megatron", fw])
     assert ess_patch.patching.is_ours(MegatronTrainRayActor.__dict__["train_actor"])
     actor = object.__new__(MegatronTrainRayActor)
-    actor.model = [_model()]
+    with megatron_on_cpu():
+        actor.model = [_model(tp)]
     out: dict = {"rows": rows}
 
     def run(args, data):
@@ -308,6 +320,20 @@ def test_applied_advantages_are_r_minus_b_star_from_brute_force_norms(fw, snapsh
         _check_proxy(ranks, want_proxy)
         if dp == 2:
             assert ranks[0]["on_metrics"]["ess_baseline_split_groups"] == 2.0
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(("fw", "snapshot"), _params()[:1] + _params()[-1:])
+def test_tp2_the_sharded_model_gives_the_same_b_star_as_one_process(fw, snapshot, tmp_path):
+    # the norm pass sums the shards' squares over TP (replicated norms counted once) and the
+    # log-probs and the proxy come from vocabulary-parallel logits: both paths, both ranks
+    ranks = run_ranks(
+        rank_baseline, dp=2, args=(fw, snapshot, "tp2"), tmp_path=tmp_path, timeout=180
+    )
+    assert [r["rows"] for r in ranks] == [list(range(len(SHAPES)))] * 2
+    _check(ranks, expected_advantages())
+    _check_proxy(ranks, expected_advantages(proxy=True))
+    assert ranks[0]["on_metrics"]["ess_baseline_split_groups"] == 0.0
 
 
 @pytest.mark.dist
