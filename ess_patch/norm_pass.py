@@ -14,10 +14,12 @@ what is differentiated). The pass is one backward that asks for no linear-weight
 ``torch.autograd.grad`` with the small parameters (norms, biases, embeddings) as its inputs, so
 the per-module hooks of ``ess_patch.per_trajectory`` fire on every module and nothing is written
 to ``.grad`` / ``main_grad`` (megatron DDP's accumulation hooks and grad-sync buckets never
-run). Autograd skips the weight-gradient matmul of torch's own layers. Megatron-core's linear
-layers (``LinearWithGradAccumulationAndAsyncCommunication``) compute it anyway and autograd
-drops it: that is a third of the pass's matmul time (BENCHMARKS.md, section 6). Parameters,
-gradients and optimizer state are untouched; a test checks it.
+run). The linear weights are frozen for the pass (``requires_grad`` restored after), so that
+megatron-core's layers take ``linear_with_frozen_weight``: their default Function
+(``LinearWithGradAccumulationAndAsyncCommunication``) computes the weight gradient even when
+nobody asks for it, a third of the pass's matmul time (BENCHMARKS.md, section 6). Torch's own
+layers skip it either way. Parameters, gradients and optimizer state are untouched; a test
+checks it.
 
 Paths (``path=``):
 
@@ -103,8 +105,10 @@ def _exact(model: torch.nn.Module, terms: torch.Tensor, tp_group: Any) -> tuple[
 def _rules(
     model: torch.nn.Module, loss_terms: Callable[[], torch.Tensor], tp_group: Any
 ) -> tuple[torch.Tensor, int]:
+    # frozen linear weights: megatron's layers take linear_with_frozen_weight, whose backward
+    # computes no weight gradient (its default Function computes one even when not asked)
     grads = PerTrajectoryGrads(
-        model, tp_group=tp_group, defer_linear_weights=False, unsupported="exact"
+        model, tp_group=tp_group, defer_linear_weights=True, unsupported="exact"
     )
     try:
         grads.start()

@@ -173,7 +173,9 @@ class PerTrajectoryGrads:
         tp_group: the tensor-parallel group (``None`` or one rank: no collective).
         pp_group: the pipeline-parallel group (``None`` or one rank: no collective).
         defer_linear_weights: freeze the linear weights between ``start()`` and ``stop()``
-            so that autograd skips the weight-gradient matmul that ``apply()`` replaces.
+            so that autograd skips the weight-gradient matmul that ``apply()`` replaces (and
+            that the norm pass does not need). Not when the hooked modules hold nothing but
+            linear weights: the backward would have no leaf to reach the modules through.
         materialise_ratio: hold a linear weight's or embedding's per-trajectory gradient
             materialised while that takes at most this many times the memory of the factored
             form (0: always factored; ``inf``: always materialised). See the module docstring.
@@ -240,11 +242,11 @@ class PerTrajectoryGrads:
         self.num_params = sum(
             p.numel() for s in self._sites + self._exact for p in s.params.values()
         )
-        self._frozen = (
-            [s.params["weight"] for s in self._sites if s.kind == "linear"]
-            if defer_linear_weights
-            else []
-        )
+        linear = [s.params["weight"] for s in self._sites if s.kind == "linear"]
+        ids = {id(w) for w in linear}
+        # with nothing but linear weights, freezing them would leave the backward no leaf
+        others = any(id(p) not in ids for s in self._sites for p in s.params.values())
+        self._frozen = linear if defer_linear_weights and others else []
         self._capturing = False
         self._in_exact = False
         self._handles = [s.module.register_forward_hook(self._forward_hook(s)) for s in self._sites]
