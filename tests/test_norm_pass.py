@@ -122,6 +122,23 @@ def test_the_pass_changes_nothing_the_step_uses(world):
         assert torch.equal(a, p.grad)
 
 
+def test_weights_the_user_froze_stay_frozen_and_count_for_nothing(world):
+    """The pass freezes the trainable linear weights for its backward (megatron's frozen-weight
+    path computes no weight gradient) and gives back exactly what it took: a weight frozen
+    before the pass stays frozen, the others trainable, and the norms are over the trainable
+    parameters only, as one backward per trajectory gives them."""
+    model = _gpt(**dict(MODERN))
+    frozen = model.decoder.layers[0].self_attention.linear_qkv.weight
+    frozen.requires_grad_(False)
+    ids, tokens, w, _ = _batch()
+    want = _brute(model, ids, tokens, w)
+    states = {n: p.requires_grad for n, p in model.named_parameters()}
+    res = norm_pass(model, lambda: _gpt_terms(model, ids, tokens, w))
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == states
+    assert not frozen.requires_grad
+    assert torch.allclose(res.sq_norms, want, rtol=2e-5), (res.sq_norms, want)
+
+
 @pytest.mark.parametrize(
     ("terms", "match"),
     [
