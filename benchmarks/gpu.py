@@ -1,7 +1,7 @@
 """GPU readiness benchmark: ``python -m benchmarks.gpu [--out FILE] [--device cuda] [--quick]``.
 
 On a machine with one CUDA GPU (sized to finish well within 5 minutes: an estimate, never
-measured), three sections:
+measured), four sections:
 
 1. ``compute_ess_lr`` at 1 M / 8 M / 33 M tokens with fp32 and bf16 log-probs: best wall
    time, aten ops dispatched, CUDA kernels (device activities seen by ``torch.profiler``)
@@ -19,6 +19,9 @@ measured), three sections:
    main params, Adam, grad clipping): unpatched, unpatched again (control: the noise floor),
    ess_patch installed but disarmed, armed with scale 0.5. Time per step, and the aten
    ops / kernels / host syncs each variant adds over unpatched (expected: zero).
+4. VCPO's baseline on Transformer Engine layers (``benchmarks/gpu_baseline.py``): the norm
+   pass's rules and exact paths on a TE-spec ``GPTModel`` against one backward per trajectory
+   (float32, relative error under 1e-4), with the time of each.
 
 Prints the tables as one text and writes it to ``--out`` (default ``gpu_bench.md``). Without
 a GPU (``--device cuda``, the default) it prints one line and exits 0. ``--device cpu`` runs
@@ -56,6 +59,7 @@ import torch.distributed as dist
 import ess_patch
 from ess_patch import compute_ess_lr
 
+from . import gpu_baseline
 from .common import OpCounter, dispatch_report, table, verdict
 
 TOKENS = (1 << 20, 8 << 20, 33 << 20)
@@ -545,6 +549,14 @@ def step_section(device: str, hidden: int, rounds: int, steps: int) -> Section:
     )
 
 
+# --- 4. VCPO's baseline on Transformer Engine layers -------------------------------------------
+
+
+def baseline_section(device: str, quick: bool) -> Section:
+    """Call inside :func:`one_rank_world` (``benchmarks.gpu_baseline``)."""
+    return Section(gpu_baseline.TITLE, *gpu_baseline.baseline_section(device, quick))
+
+
 # --- the report ------------------------------------------------------------------------------
 
 
@@ -581,7 +593,7 @@ def _failed(title: str) -> Section:
 def run(device: str, quick: bool) -> list[Section]:
     """Every section, in order (the estimator's before the world exists). A section that
     raises becomes a FAILED one; the others still run."""
-    titles = (ESTIMATOR_TITLE, COLLECTIVES_TITLE, STEP_TITLE)
+    titles = (ESTIMATOR_TITLE, COLLECTIVES_TITLE, STEP_TITLE, gpu_baseline.TITLE)
     sections = []
     try:
         sections.append(
@@ -595,6 +607,7 @@ def run(device: str, quick: bool) -> list[Section]:
             for title, fn in (
                 (COLLECTIVES_TITLE, lambda: collective_section(device, repeats=5 if quick else 50)),
                 (STEP_TITLE, lambda: step_section(device, hidden, rounds, steps)),
+                (gpu_baseline.TITLE, lambda: baseline_section(device, quick)),
             ):
                 try:
                     sections.append(fn())

@@ -92,7 +92,12 @@ def test_cpu_dry_run_runs_every_section(tmp_path, monkeypatch, clean_ess, bench_
     text = out.read_text()
     assert "FAILED" not in text and "MISSED" not in text
     tables = parse_tables(text)
-    assert set(tables) == {gpu.ESTIMATOR_TITLE, gpu.COLLECTIVES_TITLE, gpu.STEP_TITLE}
+    assert set(tables) == {
+        gpu.ESTIMATOR_TITLE,
+        gpu.COLLECTIVES_TITLE,
+        gpu.STEP_TITLE,
+        gpu.gpu_baseline.TITLE,
+    }
 
     # 1. the estimator: 2 sizes x (fp32, bf16), the same ops whatever B and dtype (the one
     # torch path every device runs), one host read (finalize's)
@@ -128,6 +133,15 @@ def test_cpu_dry_run_runs_every_section(tmp_path, monkeypatch, clean_ess, bench_
     assert all(float(r["best ms/step"]) > 0 for r in step)
     assert "bfloat16 params on cpu" in text
     assert "ChainedOptimizer[DistributedOptimizer]" in text
+
+    # 4. the baseline: on CPU the local spec stands in (said so), both paths agree with one
+    # backward per trajectory at float32 tolerance
+    base = tables[gpu.gpu_baseline.TITLE]
+    assert [r["path"] for r in base] == ["brute force", "rules", "exact"]
+    assert all(r["spec"] == "local (TE check not run)" for r in base)
+    for r in base[1:]:
+        assert r["ok"] == "ok" and float(r["max rel err vs brute force"]) < 1e-4, r
+    assert "the TE check" in text or "TE's layers" in text
 
 
 def test_a_failing_section_is_reported_and_the_world_torn_down(

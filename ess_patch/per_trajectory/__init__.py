@@ -59,7 +59,7 @@ import torch.distributed as dist
 
 from ..errors import EssPatchError, EssPatchRuntimeError, EssPatchValueError
 
-__all__ = ["PerTrajectoryGrads", "UnsupportedModuleError", "rule"]
+__all__ = ["PerTrajectoryGrads", "UnsupportedModuleError", "rule", "rule_kind"]
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +121,12 @@ def _kind(module: torch.nn.Module) -> str | None:
         if matcher(module):
             return kind
     return None
+
+
+def rule_kind(module: torch.nn.Module) -> str | None:
+    """The rule that covers ``module`` (``"linear"``, ``"rmsnorm"``...), or None: a module with
+    no rule, whose parameters take the exact path (``unsupported="exact"``) or raise."""
+    return _kind(module)
 
 
 @dataclass
