@@ -9,10 +9,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 
-def tp2_modern() -> dict[str, Any]:
-    """TP2 GPTModel (RMSNorm, no bias, SwiGLU, GQA, rope): the rules' norms and rewritten
-    gradient against brute force (norm over TP: sharded parameters from both ranks,
-    replicated ones once)."""
+def tp2_modern(tied: bool = False) -> dict[str, Any]:
+    """TP2 GPTModel (RMSNorm, no bias, SwiGLU, GQA, rope; ``tied``: the output layer uses the
+    vocabulary-parallel embedding's weight): the rules' norms and rewritten gradient against
+    brute force (norm over TP: sharded parameters from both ranks, replicated ones once)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -47,7 +47,7 @@ def tp2_modern() -> dict[str, Any]:
             get_gpt_layer_local_spec(normalization="RMSNorm"),
             vocab_size=vocab,
             max_sequence_length=prompt + response,
-            share_embeddings_and_output_weights=False,
+            share_embeddings_and_output_weights=tied,
             position_embedding_type="rope",
         )
     gen = torch.Generator().manual_seed(0)

@@ -37,7 +37,9 @@ def _brute(model, ids, tokens, w):
 
 
 @pytest.mark.parametrize("path", ["rules", "exact"])
-@pytest.mark.parametrize("overrides", [{}, MODERN], ids=["layernorm-bias", "modern"])
+@pytest.mark.parametrize(
+    "overrides", [{}, MODERN, {**MODERN, "tied": True}], ids=["layernorm-bias", "modern", "tied"]
+)
 def test_norms_match_one_backward_per_trajectory(world, overrides, path):
     model = _gpt(**dict(overrides))
     ids, tokens, w, _ = _batch()

@@ -3,7 +3,8 @@
 Single process (megatron-core local spec on CPU, a gloo world of one): the demo's GPTModel
 (LayerNorm with biases, learned positions) and a modern one (RMSNorm, no linear biases,
 SwiGLU, rope, grouped-query attention); a module with no rule (its clear error, and the exact
-path's answer); the layouts refused by name (tied embeddings, sequence parallelism).
+path's answer); tied embeddings (the cross term of the weight's two pieces); the layouts
+refused by name (tied embeddings over pipeline stages, sequence parallelism).
 """
 
 from __future__ import annotations
@@ -186,9 +187,54 @@ def test_the_exact_path_gives_the_right_answer():
     assert err_sq < 2e-5 and err_g < 2e-5, (err_sq, err_g)
 
 
-def test_tied_embeddings_and_sequence_parallel_are_refused_by_name(world):
-    with pytest.raises(UnsupportedModuleError, match="share_embeddings_and_output_weights"):
-        PerTrajectoryGrads(_gpt(tied=True))
+@pytest.mark.parametrize("ratio", [1.0, float("inf"), 0.0], ids=["mixed", "full", "factored"])
+def test_tied_embeddings_match_one_backward_per_trajectory(world, ratio):
+    """One weight, two pieces per trajectory (the embedding's rows and the output layer's
+    matmul): the norm is ``|E + O|^2`` (the cross term included) and the rewrite their sum,
+    in every pairing of materialised and factored pieces."""
+    model = _gpt(tied=True, **dict(MODERN))
+    assert model.output_layer.weight is None  # the tied layout: handed the embedding's
+    err_sq, err_g = run_rules(model, _gpt_terms, _batch(), materialise_ratio=ratio)
+    assert err_sq < 2e-5 and err_g < 2e-5, (err_sq, err_g)
+
+
+def test_the_tied_cross_term_is_the_same_in_every_pairing_of_forms():
+    """``<E_i, O_i>`` from factored and materialised pieces (all four pairings) against the
+    inner product of the materialised gradients, built here by hand."""
+    from ess_patch.per_trajectory import _Piece
+
+    gen = torch.Generator().manual_seed(0)
+    b, s, t, v, h = 3, 5, 4, 7, 6
+    ids = torch.randint(0, v, (b, s), generator=gen)
+    g = torch.randn(b, s, h, generator=gen)
+    x, d = torch.randn(t, b, h, generator=gen), torch.randn(t, b, v, generator=gen)
+    e_full = torch.zeros(b, v, h).scatter_add_(1, ids[..., None].expand(-1, -1, h), g)
+    o_full = d.permute(1, 2, 0) @ x.transpose(0, 1)  # [b, v, h]
+    want = (e_full * o_full).sum((1, 2))
+    forms_e = [_Piece(x=ids, delta=g, sq=torch.zeros(b)), _Piece(full=e_full)]
+    forms_o = [_Piece(x=x, delta=d, sq=torch.zeros(b)), _Piece(full=o_full)]
+    for e in forms_e:
+        for o in forms_o:
+            got = PerTrajectoryGrads._cross(e, o)
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (e.full is None, o.full is None)
+
+
+def test_tied_embeddings_without_the_cross_term_fail_the_check(world):
+    model = _gpt(tied=True, **dict(MODERN))
+    orig = PerTrajectoryGrads._cross
+    PerTrajectoryGrads._cross = staticmethod(lambda e, o: torch.zeros_like(orig(e, o)))
+    try:
+        err_sq, _ = run_rules(model, _gpt_terms, _batch())
+    finally:
+        PerTrajectoryGrads._cross = staticmethod(orig)
+    assert err_sq > 1e-3
+
+
+def test_tied_over_pipeline_stages_and_sequence_parallel_are_refused_by_name(world):
+    model = _gpt(tied=True)
+    model.post_process = False  # as on a first stage whose output layer is on the last
+    with pytest.raises(UnsupportedModuleError, match="pipeline"):
+        PerTrajectoryGrads(model)
     model = _gpt()
     model.config.sequence_parallel = True
     with pytest.raises(UnsupportedModuleError, match="sequence_parallel"):
@@ -196,9 +242,11 @@ def test_tied_embeddings_and_sequence_parallel_are_refused_by_name(world):
 
 
 @pytest.mark.dist
-def test_tp2_modern_rules_match_one_backward_per_trajectory(tmp_path):
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_tp2_modern_rules_match_one_backward_per_trajectory(tmp_path, tied):
     from harness import run_ranks
     from per_trajectory_ranks import tp2_modern
 
-    for got in run_ranks(tp2_modern, dp=2, timeout=120, tmp_path=tmp_path):
+    ranks = run_ranks(tp2_modern, dp=2, kwargs={"tied": tied}, timeout=120, tmp_path=tmp_path)
+    for got in ranks:
         assert got["err_sq"] < 2e-5 and got["err_g"] < 2e-5, got

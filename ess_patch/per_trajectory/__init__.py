@@ -245,10 +245,21 @@ class PerTrajectoryGrads:
                 "Fix: PerTrajectoryGrads(..., unsupported='exact') and add_exact(loss_terms) "
                 "(one backward per trajectory for those modules: exact, slow)"
             )
+        self._tied = self._tied_output(model)
         self.num_params = sum(
-            p.numel() for s in self._sites + self._exact for p in s.params.values()
+            p.numel()
+            for p in {
+                id(p): p for s in self._sites + self._exact for p in s.params.values()
+            }.values()
         )
-        linear = [s.params["weight"] for s in self._sites if s.kind == "linear"]
+        # a linear weight that is also a site's own non-linear parameter (the tied embedding)
+        # is not frozen: the embedding's piece needs its gradient path
+        owned = {id(p) for s in self._sites if s.kind != "linear" for p in s.params.values()}
+        linear = [
+            s.params["weight"]
+            for s in self._sites
+            if s.kind == "linear" and id(s.params["weight"]) not in owned
+        ]
         ids = {id(w) for w in linear}
         # with nothing but linear weights, freezing them would leave the backward no leaf
         others = any(id(p) not in ids for s in self._sites for p in s.params.values())
@@ -256,6 +267,25 @@ class PerTrajectoryGrads:
         self._capturing = False
         self._in_exact = False
         self._handles = [s.module.register_forward_hook(self._forward_hook(s)) for s in self._sites]
+
+    def _tied_output(self, model: torch.nn.Module) -> tuple[_Site, _Site] | None:
+        """With tied embeddings, the output layer (which owns no weight: it is handed the
+        embedding's at run time) becomes a linear site of the embedding's weight; returns the
+        (embedding, output) site pair whose pieces are one parameter's, or None."""
+        if not getattr(model, "share_embeddings_and_output_weights", False):
+            return None
+        shared = model.shared_embedding_or_output_weight()
+        output = getattr(model, "output_layer", None)
+        embedding = [
+            s for s in self._sites if s.kind == "embedding" and shared in s.params.values()
+        ]
+        if output is None or len(embedding) != 1 or not shared.requires_grad:
+            return None
+        if output in {s.module for s in self._sites}:  # it owns a weight: not the tied layout
+            return None
+        site = _Site("output_layer (tied)", output, "linear", {"weight": shared})
+        self._sites.append(site)
+        return embedding[0], site
 
     @property
     def _all(self) -> list[_Site]:
@@ -271,11 +301,15 @@ class PerTrajectoryGrads:
                 "PerTrajectoryGrads: sequence_parallel=True (activations split over TP along "
                 "the sequence) has no per-trajectory rule yet; turn sequence parallelism off"
             )
-        if getattr(model, "share_embeddings_and_output_weights", False):
+        tied = getattr(model, "share_embeddings_and_output_weights", False)
+        if tied and not (
+            getattr(model, "pre_process", True) and getattr(model, "post_process", True)
+        ):
             raise UnsupportedModuleError(
-                "PerTrajectoryGrads: share_embeddings_and_output_weights=True: output_layer "
-                "uses embedding.word_embeddings.weight, whose per-trajectory pieces (embedding "
-                "and output layer) are not summed yet; untie the embeddings"
+                "PerTrajectoryGrads: share_embeddings_and_output_weights=True over pipeline "
+                "stages (the output layer's copy of the embedding on the last stage): the two "
+                "pieces live on different ranks and are not summed yet; untie the embeddings or "
+                "keep the embedding and the output layer on one stage"
             )
 
     def add_exact(self, loss_terms: torch.Tensor) -> None:
@@ -362,9 +396,16 @@ class PerTrajectoryGrads:
         """The hooked parameters but the linear weights (norms, biases, embeddings): the
         inputs of a backward that reaches every module and asks for no weight gradient
         (``ess_patch.norm_pass``). The linear weights if there is nothing else."""
-        linear = {id(s.params["weight"]) for s in self._sites if s.kind == "linear"}
-        small = [p for s in self._sites for p in s.params.values() if id(p) not in linear]
-        return small or [p for s in self._sites for p in s.params.values()]
+        owned = {id(p) for s in self._sites if s.kind != "linear" for p in s.params.values()}
+        linear = {
+            id(s.params["weight"])
+            for s in self._sites
+            if s.kind == "linear" and id(s.params["weight"]) not in owned
+        }
+        small = {id(p): p for s in self._sites for p in s.params.values() if id(p) not in linear}
+        return list(small.values()) or list(
+            {id(p): p for s in self._sites for p in s.params.values()}.values()
+        )
 
     @property
     def captured_bytes(self) -> int:
@@ -390,7 +431,7 @@ class PerTrajectoryGrads:
         x, d = x.to(_ACC), d.to(_ACC)  # megatron's [s, b, .]
         if site.kind == "linear":
             w = site.params.get("weight")
-            out_local = m.weight.shape[0]
+            out_local = (w if w is not None else m.weight).shape[0]
             if d.shape[-1] != out_local:  # gathered output (gather_output / runtime gather)
                 d = d.narrow(-1, self.tp_rank * out_local, out_local).contiguous()
             if w is not None:
@@ -501,9 +542,39 @@ class PerTrajectoryGrads:
                     if site.pieces
                     else torch.zeros(0, dtype=_ACC)
                 )
+        if self._tied is not None and self._counted(self._tied[1].params["weight"]):
+            emb, out = self._tied
+            parts.append(
+                2
+                * torch.cat(
+                    [
+                        self._cross(e["weight"], o["weight"])
+                        for e, o in zip(emb.pieces, out.pieces, strict=True)
+                    ]
+                )
+            )
         if not parts:
             return torch.zeros(self.num_trajectories(), dtype=_ACC)
         return torch.stack(parts).sum(0)
+
+    @staticmethod
+    def _cross(e: _Piece, o: _Piece) -> torch.Tensor:
+        """``[b]`` inner products ``<E_i, O_i>`` of a tied weight's two per-trajectory pieces:
+        the embedding's (``ids [b, S]``, ``g [b, S, h]`` or ``[b, V, h]``) and the output
+        layer's (``x [T, b, h]``, ``d [T, b, V]`` or ``[b, V, h]``), this rank's vocabulary
+        rows. ``|E + O|^2 = |E|^2 + |O|^2 + 2 <E, O>``."""
+        if e.full is not None and o.full is not None:
+            return (e.full.flatten(1) * o.full.flatten(1)).sum(1)
+        if e.full is None and o.full is not None:  # O_i[id_s] . g_s
+            ids, g = e.x, e.delta
+            rows = o.full.gather(1, ids[..., None].expand(-1, -1, o.full.shape[-1]))
+            return (rows * g).sum((1, 2))
+        x, d = o.x.transpose(0, 1), o.delta.transpose(0, 1)  # [b, T, h], [b, T, V]
+        if e.full is not None:  # sum_t sum_v d_tv (E_v . x_t)
+            return ((e.full @ x.transpose(1, 2)) * d.transpose(1, 2)).sum((1, 2))
+        ids, g = e.x, e.delta  # sum_{t,s} d_t[id_s] (x_t . g_s)
+        picked = d.gather(2, ids[:, None, :].expand(-1, d.shape[1], -1))
+        return (picked * (x @ g.transpose(1, 2))).sum((1, 2))
 
     def sq_norms(self) -> torch.Tensor:
         """``[N]`` squared per-trajectory gradient norms over the whole model (TP and PP summed).
@@ -531,16 +602,20 @@ class PerTrajectoryGrads:
                 "trajectories; give one per trajectory, in micro-batch order"
             )
         parts = c.split(sizes)
-        for site in self._all:
+        grads: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+        for site in self._all:  # a tied weight's pieces (embedding, output layer) add up
             for name, p in site.params.items():
-                g = torch.zeros(p.shape, dtype=_ACC, device=p.device)
+                g = grads.setdefault(id(p), (p, torch.zeros(p.shape, dtype=_ACC, device=p.device)))[
+                    1
+                ]
                 for pieces, ck in zip(site.pieces, parts, strict=True):
                     assert pieces is not None
                     g += self._piece_grad(site.kind, pieces[name], ck.to(g.device), p.shape)
-                target = getattr(p, "main_grad", None)
-                if target is not None:
-                    target.copy_(g.view_as(target))
-                elif p.grad is not None:
-                    p.grad.copy_(g.view_as(p.grad))
-                else:
-                    p.grad = g.to(p.dtype)
+        for p, g in grads.values():
+            target = getattr(p, "main_grad", None)
+            if target is not None:
+                target.copy_(g.view_as(target))
+            elif p.grad is not None:
+                p.grad.copy_(g.view_as(p.grad))
+            else:
+                p.grad = g.to(p.dtype)
