@@ -18,7 +18,7 @@ pytest.importorskip("tqdm")
 
 import torch
 
-from ess_patch import cli
+from ess_patch import cli, cli_demo
 from ess_patch.demo import collapse
 from ess_patch.demo.warm_start import WarmStart, ensure
 
@@ -169,7 +169,7 @@ def test_every_layout_loads_the_same_warm_start(warm, layout, tmp_path):
 
 
 def test_progress_is_lines_when_not_a_terminal(capsys):
-    bar = cli._Lines(200, "step")
+    bar = cli_demo._Lines(200, "step")
     for _ in range(200):
         bar.update(1)
     lines = capsys.readouterr().err.splitlines()

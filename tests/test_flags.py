@@ -296,17 +296,17 @@ def test_the_critic_role_comes_from_the_args_too(clean_ess):
     ids=["flags", "env", "flag-over-env", "explicit-none-over-env"],
 )
 def test_demo_settings_follow_the_same_precedence(argv, env, expected, no_ess_env):
-    from ess_patch import cli
+    from ess_patch import cli, cli_demo
 
     for key, value in env.items():
         no_ess_env.setenv(key, value)
     args = cli.build_parser().parse_args(["demo", *argv])
     expected = expected or EssLrConfig(floor=0.4, weight_mode="product")
-    assert cli._ess_settings(args) == expected
+    assert cli_demo._ess_settings(args) == expected
 
 
 def test_demo_settings_have_no_defaults_of_their_own():
-    from ess_patch import cli
+    from ess_patch import cli, cli_demo
 
     args = cli.build_parser().parse_args(["demo"])
-    assert all(getattr(args, name) is None for name in cli.DEMO_ESS_FIELDS)
+    assert all(getattr(args, name) is None for name in cli_demo.DEMO_ESS_FIELDS)
