@@ -6,7 +6,7 @@ Run: ``OMP_NUM_THREADS=1 PYTHONPATH=. python -m benchmarks.collapse_select [--jo
 Written and committed before any selection run. The grid is tried mildest first: the smaller
 LR before the larger, then task sort before reverse, then miles/slime's token-level TIS
 before VCPO's sequence-level truncated IS, then a smaller fixed staleness k before a larger
-one. Everything else is the scenario's (:data:`ess_patch.demo.collapse.COLLAPSE`: a
+one. Everything else is the scenario's (:data:`ess_patch.demo.scenarios.collapse.COLLAPSE`: a
 supervised warm start, every rollout exactly k updates stale, 400 steps, one rank). At each
 grid point the "off" arm (ESS-LR never applied) and the "sync" arm (k = 0, all else equal)
 run on the selection seeds :data:`SELECTION_SEEDS` (never used by the report, whose seeds are
@@ -31,7 +31,8 @@ import statistics
 import time
 from pathlib import Path
 
-from ess_patch.demo import collapse, criterion
+from ess_patch.demo import criterion
+from ess_patch.demo.scenarios import collapse
 
 LRS = (1e-3, 3e-3)
 TASKS = ("sort", "reverse")

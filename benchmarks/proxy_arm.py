@@ -1,7 +1,7 @@
 """Issue 42: the forward-only proxy's baseline as an arm of the collapse scenario.
 
-At the main job's tuned LR and lag (``ess_patch.demo.main_job``: LR 3.5e-4, every rollout 8
-updates stale, seq-TIS), on the 8 seeds of the tuned-LR table, ``ess+proxy`` (ESS-LR with
+At the main job's tuned LR and lag (``ess_patch.demo.scenarios.main_job``: LR 3.5e-4, every
+rollout 8 updates stale, seq-TIS), on the 8 seeds of the tuned-LR table, ``ess+proxy`` (ESS-LR with
 VCPO's minimum-variance baseline, ``b*`` from the forward-only proxy of ``ess_patch.proxy``,
 taken in the loss from the logits it already has) beside ``ess+baseline`` (the same with the
 exact per-trajectory norms of the in-step rewrite), ``product`` (ESS-LR with the group mean:
@@ -22,7 +22,8 @@ import statistics
 import time
 from pathlib import Path
 
-from ess_patch.demo import collapse, criterion, main_job, stats
+from ess_patch.demo import criterion, stats
+from ess_patch.demo.scenarios import collapse, main_job
 
 SEEDS = tuple(range(8))
 

@@ -6,11 +6,11 @@ Run: ``OMP_NUM_THREADS=1 PYTHONPATH=. python -m benchmarks.tune_lr [--jobs 1]``
 Written and committed before any tuning run. The grid :data:`LRS` and the tuning seeds
 :data:`TUNING_SEEDS` are fixed here; the tuning seeds are never used by a table (those use
 0..7; the collapse selection used 100, 101 and a new-user check 200..203). Everything else is
-the collapse scenario's (:data:`ess_patch.demo.collapse.COLLAPSE`: the supervised warm start,
-400 steps, the seq-tis loss, one rank). Only the ``sync`` arm (every rollout fresh, k = 0)
-runs: nothing is tuned on a stale or an ESS-LR arm. The rule: the LR with the highest mean
-final reward (the last 20 steps' smoothed mean, ``criterion.judge``) over the tuning seeds;
-a tie (within 0.005) goes to the smaller LR. The log is ``--log`` (default
+the collapse scenario's (:data:`ess_patch.demo.scenarios.collapse.COLLAPSE`: the supervised
+warm start, 400 steps, the seq-tis loss, one rank). Only the ``sync`` arm (every rollout
+fresh, k = 0) runs: nothing is tuned on a stale or an ESS-LR arm. The rule: the LR with the
+highest mean final reward (the last 20 steps' smoothed mean, ``criterion.judge``) over the
+tuning seeds; a tie (within 0.005) goes to the smaller LR. The log is ``--log`` (default
 ``docs/demo-tuned/tuning.txt``); the chosen LR is its last line.
 """
 
@@ -21,7 +21,8 @@ import statistics
 import time
 from pathlib import Path
 
-from ess_patch.demo import collapse, criterion
+from ess_patch.demo import criterion
+from ess_patch.demo.scenarios import collapse
 
 #: Half-octave steps around the scenario's 1e-3, which the collapse scenario's own k = 0 run
 #: suggests is above the synchronous optimum (0.713 x 1e-3 ended higher than 1e-3).

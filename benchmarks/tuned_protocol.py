@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 
 from benchmarks import tune_lr
-from ess_patch.demo import collapse, criterion, stats
+from ess_patch.demo import criterion, stats
+from ess_patch.demo.scenarios import collapse
 
 SEEDS = tuple(range(8))
 LAGS = (0, 2, 8, 32)

@@ -20,7 +20,8 @@ import statistics
 from pathlib import Path
 
 from benchmarks import tuned_protocol
-from ess_patch.demo import collapse, criterion
+from ess_patch.demo import criterion
+from ess_patch.demo.scenarios import collapse
 
 
 def main() -> None:

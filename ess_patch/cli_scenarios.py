@@ -102,7 +102,7 @@ def _run_mixed(args: argparse.Namespace) -> int:
 
 def _run_stress(args: argparse.Namespace) -> int:
     from .demo.launch import DemoError
-    from .demo.stress import QUICK_STEPS, STRESS, run_stress, stress_config
+    from .demo.scenarios.stress import QUICK_STEPS, STRESS, run_stress, stress_config
 
     options = _demo_options(
         args, "steps", "lag", "workers", "dp", "tp", "pp", "cp", "device", "response_len"
@@ -174,8 +174,9 @@ def _run_stress(args: argparse.Namespace) -> int:
 
 
 def _run_main(args: argparse.Namespace) -> int:
-    """``ess-patch demo`` (the main job): :mod:`ess_patch.demo.main_job`, one seed, printed."""
-    from .demo import main_job
+    """``ess-patch demo`` (the main job): :mod:`ess_patch.demo.scenarios.main_job`, one seed,
+    printed."""
+    from .demo.scenarios import main_job
 
     refused = [
         f"--{n.replace('_', '-')}"
@@ -250,7 +251,7 @@ def _run_main(args: argparse.Namespace) -> int:
 def _collapse_settings(args: argparse.Namespace) -> tuple[Any, int] | int:
     """The collapse scenario's config and seed count from the flags, or the exit code of a
     refusal (already printed)."""
-    from .demo import collapse
+    from .demo.scenarios import collapse
 
     refused = [f"--{n}" for n in ("seed", "dp", "tp", "pp", "cp", "workers") if getattr(args, n)]
     if refused:
@@ -291,7 +292,8 @@ def _collapse_settings(args: argparse.Namespace) -> tuple[Any, int] | int:
 
 
 def _run_collapse(args: argparse.Namespace) -> int:
-    """``ess-patch demo --scenario collapse``: parse, run :mod:`ess_patch.demo.collapse`, print."""
+    """``ess-patch demo --scenario collapse``: parse, run
+    :mod:`ess_patch.demo.scenarios.collapse`, print."""
     from .demo.launch import DemoError
 
     settings = _collapse_settings(args)
@@ -352,7 +354,7 @@ def _collapse_runs(
     its tables."""
     import dataclasses
 
-    from .demo import collapse
+    from .demo.scenarios import collapse
 
     result = collapse.run_collapse(
         cfg, out, seeds=range(seeds), jobs=args.jobs, cache_dir=args.cache_dir, on_run=on_run
@@ -382,7 +384,7 @@ _WEIGHTS_OPTIONS = ("command", "func", "scenario", "seed", "out", "quick", "no_p
 
 def _run_weights(args: argparse.Namespace) -> int:
     """``ess-patch demo --scenario weights`` (the CLI's parsed ``args``)."""
-    from .demo.weights import WeightsConfig, quick_weights_config, run_weights
+    from .demo.scenarios.weights import WeightsConfig, quick_weights_config, run_weights
 
     # the training scenarios' settings mean nothing here: say so rather than ignore them
     ignored = [

@@ -19,7 +19,7 @@ pytest.importorskip("tqdm")
 import torch
 
 from ess_patch import cli, cli_demo
-from ess_patch.demo import collapse
+from ess_patch.demo.scenarios import collapse
 from ess_patch.demo.warm_start import WarmStart, ensure
 
 pytestmark = pytest.mark.dist

@@ -339,7 +339,7 @@ def test_collapse_criterion():
 
 
 def test_stress_config_is_the_selected_scenario():
-    from ess_patch.demo.stress import STRESS_ARMS, stress_config
+    from ess_patch.demo.scenarios.stress import STRESS_ARMS, stress_config
 
     cfg = stress_config()
     # What benchmarks/stress_select.py chose from the off arm alone, and the four arms.
@@ -417,7 +417,7 @@ def test_stress_flags_need_the_stress_scenario(capsys):
 
 
 def test_short_stress_run_pairs_arms(tmp_path):
-    from ess_patch.demo.stress import run_stress, stress_config
+    from ess_patch.demo.scenarios.stress import run_stress, stress_config
 
     cfg = stress_config(steps=4, lag=2)
     result = run_stress(cfg, tmp_path, seeds=2)

@@ -13,7 +13,7 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
 from ess_patch import cli
-from ess_patch.demo import collapse, main_job
+from ess_patch.demo.scenarios import collapse, main_job
 
 # the checkout's docs: tox installs the package into site-packages, so not cli.__file__
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,8 +16,8 @@ pytest.importorskip("megatron.core")
 
 from ess_patch.analyze.advice import Evidence, advise
 from ess_patch.cli import main
-from ess_patch.demo import weights
-from ess_patch.demo.weights import WeightsConfig, run_weights
+from ess_patch.demo.scenarios import weights
+from ess_patch.demo.scenarios.weights import WeightsConfig, run_weights
 
 pytestmark = pytest.mark.usefixtures("clean_ess")
 
