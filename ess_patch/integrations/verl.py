@@ -97,6 +97,7 @@ from . import Integration
 from .binding import bind, bind_method, call_method, call_with, undecorated
 from .rl_hooks import Groups, applied_metrics, megatron_groups, result_metrics
 from .shapes import Aspect, Feature, History, Shape
+from .verl_baseline_settings import baseline_requested, refuse_baseline
 from .verl_driver import runtime_env_wrapper
 from .verl_settings import ENV_ENABLE, VerlSettings, config_wrapper, enable_requested, settings
 
@@ -137,6 +138,15 @@ METRIC_PREFIX = "actor/"
 _ROLLOUT_LOG_PROBS = "rollout_log_probs"
 _ROLLOUT_RESULT = "_ess_patch_rollout_result"  # on the legacy actor: the rollout's result
 _ENGINE_STATE = "_ess_patch_engine_actor"  # on the actor's TrainingWorker during update_actor
+_ENGINE_HAS_NO_BASELINE = (
+    "verl's engine path (ActorRolloutRefWorker.update_actor -> TrainingWorker.train_batch) "
+    "gets advantages with no norm pass"
+)
+_LEGACY_NOT_YET = "the legacy Megatron actor's norm pass is not implemented yet"
+_TO_LEGACY = (
+    "On verl v0.7.x train through the legacy Megatron actor (trainer.use_legacy_worker_impl="
+    "auto or enable); verl v0.8.0 and later have no legacy actor"
+)
 
 
 # --- the ESS of one batch ----------------------------------------------------------------------
@@ -290,8 +300,10 @@ def engine_update_actor_wrapper(
     the call (with the rollout's result under granularity "rollout"), attach its engine's
     optimizer; refuse a non-Megatron actor while ESS-LR is on."""
     actor_config = getattr(getattr(instance, "config", None), "actor", None)
-    chosen = None if actor_config is None else settings(actor_config)
     trainer = getattr(instance, "actor", None)
+    if actor_config is not None and trainer is not None:
+        refuse_baseline(actor_config, _ENGINE_HAS_NO_BASELINE, _TO_LEGACY)
+    chosen = None if actor_config is None else settings(actor_config)
     if chosen is None or trainer is None:
         return wrapped(*args, **kwargs)  # off (or not the actor's worker): untouched
     _refuse_other_backends(_strategy(actor_config))
@@ -340,6 +352,12 @@ def tinker_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwar
     if instance is None:
         return wrapped(*args, **kwargs)
     actor_config = getattr(getattr(instance, "config", None), "actor", None)
+    refuse_baseline(
+        actor_config,
+        f"the Tinker worker ({type(instance).__name__}.{wrapped.__name__}) trains the actor "
+        "outside update_actor, with no norm pass",
+        "Train through verl's PPO trainer on the legacy Megatron actor",
+    )
     if settings(actor_config) is not None:
         refuse(
             "verl",
@@ -413,6 +431,7 @@ def minibatch_iterator_wrapper(
     if instance is None:
         return wrapped(*args, **kwargs)
     vars(instance).pop(_ROLLOUT_RESULT, None)  # never a previous rollout's
+    refuse_baseline(getattr(instance, "config", None), _LEGACY_NOT_YET)
     chosen = settings(getattr(instance, "config", None))
     if chosen is None:
         return wrapped(*args, **kwargs)  # off: untouched
@@ -457,6 +476,8 @@ def update_policy_wrapper(
 ) -> Any:
     """Compute each mini-batch's ESS as verl draws it (or take the rollout's), arm it for that
     mini-batch's optimizer step, log it under ``actor/``, and disarm on the way out."""
+    if instance is not None:
+        refuse_baseline(getattr(instance, "config", None), _LEGACY_NOT_YET)
     chosen = None if instance is None else settings(getattr(instance, "config", None))
     if chosen is None:
         return wrapped(*args, **kwargs)  # off: no collective, no LR write
@@ -490,6 +511,14 @@ def fsdp_update_policy_wrapper(
 ) -> Any:
     """verl's FSDP actor (``DataParallelPPOActor.update_policy``, before v0.8.0): refused
     while ESS-LR is on, never a silent no-op."""
+    if instance is not None:
+        strategy = _strategy(getattr(instance, "config", None)) or "fsdp"
+        refuse_baseline(
+            getattr(instance, "config", None),
+            f"verl's FSDP actor (DataParallelPPOActor, strategy {strategy!r}) lends no Megatron "
+            "model to the norm pass",
+            "Use the Megatron actor (actor_rollout_ref.actor.strategy=megatron)",
+        )
     if instance is not None and settings(getattr(instance, "config", None)) is not None:
         _refuse_other_backends(_strategy(getattr(instance, "config", None)) or "fsdp")
     return wrapped(*args, **kwargs)
@@ -560,7 +589,7 @@ class _VerlHistory(History):
         except FailClosedError:
             raise
         except MissingTargetError as exc:
-            if not enable_requested():
+            if not (enable_requested() or baseline_requested()):
                 raise
             if allow_unscaled():  # the explicit opt-out: roll verl back, logged as such
                 logger.warning(

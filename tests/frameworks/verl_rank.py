@@ -227,12 +227,17 @@ def run(src: str, scenario: dict) -> dict:
         _lr_recorder(actor_setup.optimizer, applied)
         out["scheduled"] = [g["lr"] for g in actor_setup.optimizer.param_groups]
         out["config_type"] = type(actor.config).__name__
+        before = [p.detach().clone() for p in actor_setup.models[0].parameters()]
         try:
             loader = actor.make_minibatch_iterator(_local(scenario, dp_rank, dp_size))
             out["metrics"] = actor.update_policy(dataloader=loader)
         except Exception as exc:  # reported, not raised: the test compares every rank's error
             out["error"] = f"{type(exc).__name__}: {exc}"
         out.update(seen=seen, applied=applied)
+        out["params_unchanged"] = all(
+            torch.equal(a, b.detach())
+            for a, b in zip(before, actor_setup.models[0].parameters(), strict=True)
+        )
         out["after"] = [g["lr"] for g in actor_setup.optimizer.param_groups]
         out["armed_after"] = ess_patch.armed()
 
