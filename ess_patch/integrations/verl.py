@@ -82,7 +82,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,7 +97,7 @@ from . import Integration
 from .binding import bind, bind_method, call_method, call_with, undecorated
 from .rl_hooks import Groups, applied_metrics, megatron_groups, result_metrics
 from .shapes import Aspect, Feature, History, Shape
-from .verl_baseline_settings import baseline_requested, refuse_baseline
+from .verl_baseline_settings import baseline_requested, baseline_settings, refuse_baseline
 from .verl_driver import runtime_env_wrapper
 from .verl_settings import ENV_ENABLE, VerlSettings, config_wrapper, enable_requested, settings
 
@@ -137,12 +137,12 @@ _CONFIG_REIMPORTS = ("verl.utils", "verl.workers.megatron_workers", _ENGINE_WORK
 METRIC_PREFIX = "actor/"
 _ROLLOUT_LOG_PROBS = "rollout_log_probs"
 _ROLLOUT_RESULT = "_ess_patch_rollout_result"  # on the legacy actor: the rollout's result
+_BASELINE_RECORD = "_ess_patch_baseline"  # on the legacy actor: the baseline's record
 _ENGINE_STATE = "_ess_patch_engine_actor"  # on the actor's TrainingWorker during update_actor
 _ENGINE_HAS_NO_BASELINE = (
     "verl's engine path (ActorRolloutRefWorker.update_actor -> TrainingWorker.train_batch) "
     "gets advantages with no norm pass"
 )
-_LEGACY_NOT_YET = "the legacy Megatron actor's norm pass is not implemented yet"
 _TO_LEGACY = (
     "On verl v0.7.x train through the legacy Megatron actor (trainer.use_legacy_worker_impl="
     "auto or enable); verl v0.8.0 and later have no legacy actor"
@@ -427,42 +427,75 @@ def minibatch_iterator_wrapper(
 ) -> Any:
     """Granularity "rollout": the ESS over this DP rank's whole chunk (every DP rank), kept on
     the actor for the ``update_policy`` that follows. Granularity "step": the mini-batches
-    keep ``rollout_log_probs`` (each one's ESS needs them), which v0.6's selection drops."""
+    keep ``rollout_log_probs`` (each one's ESS needs them), which v0.6's selection drops.
+    VCPO's baseline (``verl_baseline``): the chunk's advantages rewritten to ``A - b*`` for
+    the mini-batches (the caller's ``data`` keeps its own), the record kept on the actor."""
     if instance is None:
         return wrapped(*args, **kwargs)
     vars(instance).pop(_ROLLOUT_RESULT, None)  # never a previous rollout's
-    refuse_baseline(getattr(instance, "config", None), _LEGACY_NOT_YET)
-    chosen = settings(getattr(instance, "config", None))
-    if chosen is None:
+    vars(instance).pop(_BASELINE_RECORD, None)
+    config = getattr(instance, "config", None)
+    baseline = baseline_settings(config)
+    chosen = settings(config)
+    if chosen is None and baseline is None:
         return wrapped(*args, **kwargs)  # off: untouched
     data = _the(bind_method(wrapped, instance, args, kwargs), wrapped, "data")
-    if chosen.config.granularity == "rollout":
+    if chosen is not None and chosen.config.granularity == "rollout":
         vars(instance)[_ROLLOUT_RESULT] = compute_batch(data, chosen.config)
-        return wrapped(*args, **kwargs)
-    with _selection_keeps(data, _ROLLOUT_LOG_PROBS):
+    keys = [] if chosen is None or chosen.config.granularity == "rollout" else [_ROLLOUT_LOG_PROBS]
+    with ExitStack() as stack:
+        if baseline is not None:
+            from .verl_baseline import ROW_KEY
+
+            stack.enter_context(_baseline_rewritten(instance, data, baseline))
+            keys.append(ROW_KEY)
+        stack.enter_context(_selection_keeps(data, *keys))
         return wrapped(*args, **kwargs)
 
 
 @contextmanager
-def _selection_keeps(data: Any, key: str) -> Iterator[None]:
-    """For the call: ``data.select(batch_keys=...)`` keeps ``key`` where ``data`` has it.
+def _baseline_rewritten(instance: Any, data: Any, chosen: Any) -> Iterator[None]:
+    """For the call: ``data``'s advantages rewritten (``verl_baseline.rewrite``, on every DP
+    rank) and its row key added; afterwards ``data`` is as it was, the record on the actor."""
+    from .verl_baseline import ROW_KEY, rewrite
+
+    batch = getattr(data, "batch", None)
+    has = batch is not None and "advantages" in batch.keys()  # noqa: SIM118 - a TensorDict
+    original = batch["advantages"] if has else None
+    record = rewrite(instance, data, chosen, _groups().dp_group)
+    try:
+        yield
+        vars(instance)[_BASELINE_RECORD] = record
+    finally:
+        if original is not None:
+            data.batch["advantages"] = original
+        if ROW_KEY in data.batch.keys():  # noqa: SIM118 - TensorDict refuses `in`
+            del data.batch[ROW_KEY]
+
+
+@contextmanager
+def _selection_keeps(data: Any, *wanted: str) -> Iterator[None]:
+    """For the call: ``data.select(batch_keys=...)`` keeps each key of ``wanted`` that
+    ``data`` has.
 
     verl v0.6.0's ``make_minibatch_iterator`` selects the keys its loss reads and drops
-    ``rollout_log_probs`` (v0.7.0 keeps them itself: then this changes nothing). An extra
-    key in a mini-batch is never read by verl's loss.
+    ``rollout_log_probs`` (v0.7.0 keeps them itself: then this changes nothing); the baseline's
+    row key is ess-patch's own. An extra key in a mini-batch is never read by verl's loss.
     """
     select = getattr(data, "select", None)
     keys = getattr(getattr(data, "batch", None), "keys", None)
-    if select is None or keys is None or key not in keys() or not hasattr(data, "__dict__"):
+    present = [] if keys is None else [k for k in wanted if k in keys()]
+    if select is None or not present or not hasattr(data, "__dict__"):
         yield
         return
 
     def keeping(*args: Any, **kwargs: Any) -> Any:
         call = bind(select, args, kwargs)
         chosen = None if call is None else call.arguments.get("batch_keys")
-        if chosen is None or key in chosen:
+        if chosen is None or all(k in chosen for k in present):
             return select(*args, **kwargs)
-        return call_with(select, call, batch_keys=[*chosen, key])
+        extra = [k for k in present if k not in chosen]
+        return call_with(select, call, batch_keys=[*chosen, *extra])
 
     vars(data)["select"] = keeping  # this object only, for this call
     try:
@@ -471,18 +504,44 @@ def _selection_keeps(data: Any, key: str) -> Iterator[None]:
         vars(data).pop("select", None)
 
 
+def _add_baseline_metrics(metrics: Any, record: dict | None) -> None:
+    """The baseline's metrics, one value per update under ``actor/`` (as verl's own lists)."""
+    if record is None or not isinstance(metrics, dict):
+        return
+    for key, value in record["metrics"].items():
+        metrics.setdefault(METRIC_PREFIX + key, []).append(value)
+
+
 def update_policy_wrapper(
     wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict
 ) -> Any:
     """Compute each mini-batch's ESS as verl draws it (or take the rollout's), arm it for that
-    mini-batch's optimizer step, log it under ``actor/``, and disarm on the way out."""
-    if instance is not None:
-        refuse_baseline(getattr(instance, "config", None), _LEGACY_NOT_YET)
-    chosen = None if instance is None else settings(getattr(instance, "config", None))
-    if chosen is None:
+    mini-batch's optimizer step, log it under ``actor/``, and disarm on the way out. With the
+    baseline, every mini-batch's advantages are read back before verl trains on it."""
+    if instance is None:
+        return wrapped(*args, **kwargs)
+    config = getattr(instance, "config", None)
+    record = vars(instance).pop(_BASELINE_RECORD, None)
+    if record is None and baseline_settings(config) is not None:
+        raise FailClosedError(
+            "ess-patch (verl): VCPO's baseline was requested but update_policy got a "
+            "dataloader that make_minibatch_iterator did not make, so no advantage was "
+            "rewritten. Build it with actor.make_minibatch_iterator(data) (verl's own workers "
+            "do), or turn the baseline off"
+        )
+    chosen = settings(config)
+    if chosen is None and record is None:
         return wrapped(*args, **kwargs)  # off: no collective, no LR write
     call = bind_method(wrapped, instance, args, kwargs)
     dataloader = _the(call, wrapped, "dataloader")
+    if record is not None:
+        from .verl_baseline import read_back
+
+        dataloader = read_back(dataloader, record, _groups().dp_group)
+    if chosen is None:
+        metrics = call_method(wrapped, call, dataloader=dataloader)
+        _add_baseline_metrics(metrics, record)
+        return metrics
     results: list[tuple[EssLrResult, float | None]] = []
     if chosen.config.granularity == "rollout":
         rollout = vars(instance).pop(_ROLLOUT_RESULT, None)
@@ -503,6 +562,7 @@ def update_policy_wrapper(
     finally:
         _release(optimizer, attached, chosen.enabled)
     _add_metrics(metrics, results, chosen.enabled)
+    _add_baseline_metrics(metrics, record)
     return metrics
 
 

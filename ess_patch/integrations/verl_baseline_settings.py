@@ -53,8 +53,7 @@ BASELINE_KEYS = (
     "path",
 )
 #: where verl gets the baseline (every other path refuses it by name)
-SUPPORTED_BASELINE = "no verl path yet (the legacy Megatron actor's norm pass is being added)"
-_SUPPORTED_NEXT = (
+SUPPORTED_BASELINE = (
     "verl's legacy Megatron actor (MegatronPPOActor.update_policy, verl v0.6.0 to v0.7.x; "
     "on v0.7.x trainer.use_legacy_worker_impl other than disable) with "
     "pipeline_model_parallel_size=1, context_parallel_size=1 and one model chunk, "

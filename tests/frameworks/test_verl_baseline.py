@@ -185,35 +185,166 @@ def test_a_refused_engine_update_changes_nothing_dp2(tmp_path, src, env):
         assert all(torch.equal(a, b) for a, b in zip(r["params_before"], r["params"], strict=True))
 
 
-def _legacy_rank(src: str, scenario: dict) -> dict:
+def _baseline_rank(src: str, scenario: dict) -> dict:
     sys.path.insert(0, str(HERE))
-    import verl_rank
+    import verl_baseline_rank
 
-    return verl_rank.run(src, scenario)
+    return verl_baseline_rank.run_baseline(src, scenario)
+
+
+_EXPECTED: dict = {}
+
+
+def _expected(tmp_path, src) -> dict:
+    """The brute-force expectation (``expected_probe``, one backward per trajectory), once
+    per snapshot."""
+    if src.name not in _EXPECTED:
+        (_EXPECTED[src.name],) = run_ranks(
+            _probe, args=("expected_probe", str(src)), tmp_path=tmp_path / "expected", timeout=240
+        )
+    return _EXPECTED[src.name]
+
+
+ACTOR = "actor_rollout_ref.actor"
+#: verl's own config (McoreActorConfig through the wrapped omega_conf_to_dataclass): PPO
+#: clipping at verl's default eps 0.2, mini-batches of 2, micro-batches of 2
+HYDRA = [f"{ACTOR}.ppo_mini_batch_size=2", f"{ACTOR}.ppo_micro_batch_size_per_gpu=2"]
+ON_KEY = [*HYDRA, f"+{ACTOR}.grad_baselining.enable=true"]
+
+
+def _by_sample(expect: dict, r: dict) -> dict[int, list[list[float]]]:
+    """Each sample's advantage rows as verl's loss saw them on this rank."""
+    out: dict[int, list[list[float]]] = {}
+    for ids, adv in r["seen"]:
+        out.setdefault(expect["rows"][tuple(ids)], []).append(adv)
+    return out
+
+
+def _check_applied(expect: dict, ranks: list[dict], want: list[float] | None = None) -> None:
+    """Every sample trained once per epoch, with ``A - b*`` on its counted tokens (float32
+    tolerance of the brute-force expectation) and 0 elsewhere."""
+    want = expect["expected"] if want is None else want
+    seen: dict[int, list] = {}
+    for r in ranks:
+        assert "error" not in r, r["error"]
+        for i, rows in _by_sample(expect, r).items():
+            seen.setdefault(i, []).extend(rows)
+    assert sorted(seen) == list(range(len(want)))
+    for i, rows in seen.items():
+        mask = expect["masks"][i]
+        for row in rows:
+            for t, value in enumerate(row):
+                target = want[i] if t < len(mask) and mask[t] else 0.0
+                assert value == pytest.approx(target, rel=1e-5, abs=1e-6), (i, t, row)
 
 
 @needs_verl
 @pytest.mark.dist
 @pytest.mark.parametrize("src", LEGACY, ids=lambda p: p.name)
-def test_the_legacy_actor_refuses_until_its_norm_pass_lands(tmp_path, src):
-    """VCPO's key through verl's real config check (McoreActorConfig from Hydra ``+``
-    overrides, the wrapped omega_conf_to_dataclass), ESS-LR on beside it: the real
-    make_minibatch_iterator refuses on every rank; no step, parameters and LRs unchanged."""
-    actor = "actor_rollout_ref.actor"
-    scenario = {
-        "hydra": [
-            f"+{actor}.grad_baselining.enable=true",
-            f"{actor}.ppo_mini_batch_size=2",
-            f"{actor}.ppo_micro_batch_size_per_gpu=2",
-        ],
-        "env": {"ESS_LR_ENABLE": "1"},
-    }
-    results = run_ranks(
-        _legacy_rank, dp=2, args=(str(src), scenario), tmp_path=tmp_path, timeout=240
+def test_the_legacy_actor_trains_on_r_minus_b_star_from_brute_force_norms(tmp_path, src):
+    """VCPO's key through verl's real config; verl's real make_minibatch_iterator /
+    update_policy on megatron-core's GPTModel (local spec) with verl's own PPO-clipped loss;
+    GRPO's advantages from verl's compute_grpo_outcome_advantage, both prompt groups split
+    over the two DP ranks: every mini-batch trains on A - b* (b* from one backward per
+    trajectory), single process and DP2; the exact path agrees; the caller's batch is kept."""
+    expect = _expected(tmp_path, src)
+    moved = max(abs(a - b) for a, b in zip(expect["expected"], expect["grpo"], strict=True))
+    assert moved > 1e-3  # b* is not the group mean: the check can tell them apart
+    for dp in (1, 2):
+        ranks = run_ranks(
+            _baseline_rank,
+            dp=dp,
+            args=(str(src), {"hydra": ON_KEY}),
+            tmp_path=tmp_path / f"dp{dp}",
+            timeout=300,
+        )
+        _check_applied(expect, ranks)
+        for r in ranks:
+            m = r["metrics"]
+            assert m["actor/ess_baseline_applied"] == [1.0]
+            assert m["actor/ess_baseline_fallback_groups"] == [0.0]
+            assert m["actor/ess_baseline_split_groups"] == [2.0 if dp == 2 else 0.0]
+            assert m["actor/ess_baseline_norm_pass_s"][0] > 0
+            # b* - the group mean (0 for GRPO's A), averaged over the two groups
+            b_star = [a - e for a, e in zip(expect["grpo"], expect["expected"], strict=True)]
+            shift = (b_star[0] + b_star[4]) / 2
+            assert m["actor/ess_baseline_shift"][0] == pytest.approx(shift, abs=1e-5)
+            assert r["caller_data_kept"] and not r["params_unchanged"] and r["pg_loss"]
+    exact = run_ranks(
+        _baseline_rank,
+        dp=2,
+        args=(str(src), {"hydra": ON_KEY, "env": {"ESS_LR_BASELINE_PATH": "exact"}}),
+        tmp_path=tmp_path / "exact",
+        timeout=300,
     )
-    for r in results:
-        assert r["config_type"] == "McoreActorConfig"
-        assert r.get("error", "").startswith("FailClosedNotImplementedError"), r.get("error")
-        assert "(actor.grad_baselining.enable)" in r["error"] and "legacy" in r["error"]
-        assert r["applied"] == [] and r["seen"] == [] and r["params_unchanged"]
-        assert r["after"] == r["scheduled"] and r["armed_after"] is None
+    _check_applied(expect, exact)
+
+
+@needs_verl
+@pytest.mark.dist
+@pytest.mark.parametrize("src", ONE_OF_EACH, ids=lambda p: p.name)
+def test_off_and_shadow_train_bit_identically_to_unpatched_verl(tmp_path, src):
+    """DP2: unpatched verl, installed with the baseline off, and in shadow mode
+    (ESS_LR_BASELINE_SHADOW=1): the same advantages seen and the same parameters, bit for
+    bit; shadow logs b*'s shift (the one the on run applies) with applied 0."""
+    expect = _expected(tmp_path, src)
+    runs = {}
+    for name, scenario in {
+        "plain": {"hydra": HYDRA, "no_install": True},
+        "off": {"hydra": HYDRA},
+        "shadow": {"hydra": HYDRA, "env": {"ESS_LR_BASELINE_SHADOW": "1"}},
+    }.items():
+        runs[name] = run_ranks(
+            _baseline_rank, dp=2, args=(str(src), scenario), tmp_path=tmp_path / name, timeout=300
+        )
+    import torch
+
+    for name in ("off", "shadow"):
+        for plain, other in zip(runs["plain"], runs[name], strict=True):
+            assert "error" not in other, other["error"]
+            assert other["seen"] == plain["seen"]
+            assert all(
+                torch.equal(a, b) for a, b in zip(plain["params"], other["params"], strict=True)
+            )
+    _check_applied(expect, runs["plain"], want=expect["grpo"])  # GRPO's own advantages
+    b_star = [a - e for a, e in zip(expect["grpo"], expect["expected"], strict=True)]
+    for r in runs["shadow"]:
+        assert r["metrics"]["actor/ess_baseline_applied"] == [0.0]
+        shift = r["metrics"]["actor/ess_baseline_shift"][0]
+        assert shift == pytest.approx((b_star[0] + b_star[4]) / 2, abs=1e-5)
+    assert runs["off"][0]["metrics"] == {}
+
+
+@needs_verl
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    ("layout", "scenario", "message"),
+    [
+        ({"pp": 2}, {"env": {"ESS_LR_BASELINE": "1"}}, "pipeline_model_parallel_size is 2"),
+        ({"cp": 2}, {"env": {"ESS_LR_BASELINE": "1"}}, "context_parallel_size is 2"),
+        (
+            {},
+            {"env": {"ESS_LR_BASELINE": "1"}, "gae_like": True},
+            "advantage differs between its tokens",
+        ),
+    ],
+    ids=["pp2", "cp2", "gae_advantages"],
+)
+@pytest.mark.parametrize("src", ONE_OF_EACH[:1], ids=lambda p: p.name)
+def test_what_the_legacy_actor_cannot_serve_stops_every_rank_first(
+    tmp_path, src, layout, scenario, message
+):
+    """Refused by name on every rank before any step: PP2, CP2 (the norm pass runs one stage
+    on whole sequences), per-token advantages (a critic's GAE: no group mean to replace)."""
+    ranks = run_ranks(
+        _baseline_rank,
+        dp=2,
+        **layout,
+        args=(str(src), {"hydra": HYDRA, **scenario}),
+        tmp_path=tmp_path,
+        timeout=300,
+    )
+    for r in ranks:
+        assert message in r.get("error", ""), r.get("error")
+        assert "ESS_LR_BASELINE=1" in r["error"] or "baseline was requested" in r["error"]
+        assert r["seen"] == [] and r["params_unchanged"]

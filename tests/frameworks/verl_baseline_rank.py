@@ -65,3 +65,284 @@ def refusal_probe(src: str) -> dict:
             except Exception as exc:
                 out[f"{name}_{request}"] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+# --- the legacy Megatron actor with the baseline --------------------------------------------
+
+#: the rollout: 2 prompts x 4 samples (uid per prompt), left-padded prompts of PROMPT_W
+#: tokens, right-padded responses of RESP_W; rows ordered so that verl's contiguous DP chunks
+#: split both groups over two DP ranks
+N_SAMPLES, N_PER_PROMPT, PROMPT_W, RESP_W, VOCAB = 8, 4, 5, 6, 16
+PROMPT_LENS = [3, 5, 4, 2, 5, 3, 4, 5]
+RESP_LENS = [6, 4, 5, 3, 6, 2, 5, 4]
+REWARDS = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0]
+ORDER = [0, 4, 1, 5, 2, 6, 3, 7]  # row k of the batch is sample ORDER[k]
+
+
+def gpt_model() -> Any:
+    """megatron-core's GPTModel, local spec: RMSNorm, no bias, SwiGLU, GQA, rope, untied."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=48,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    torch.manual_seed(0)
+    return GPTModel(
+        config,
+        get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=VOCAB,
+        max_sequence_length=PROMPT_W + RESP_W,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+    )
+
+
+def trajectories(seed: int = 0) -> dict:
+    """Each sample unpadded (prompt, response), its response's loss mask and log-probs, its
+    reward and prompt, in sample order."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, list] = {k: [] for k in ("prompt", "response", "mask", "old", "rollout")}
+    for p, r in zip(PROMPT_LENS, RESP_LENS, strict=True):
+        out["prompt"].append(torch.randint(0, VOCAB, (p,), generator=gen))
+        out["response"].append(torch.randint(0, VOCAB, (r,), generator=gen))
+        mask = (torch.rand(r, generator=gen) > 0.2).long()
+        mask[0] = 1
+        out["mask"].append(mask)
+        rollout = -torch.rand(r, generator=gen) * 2
+        out["rollout"].append(rollout)
+        out["old"].append(rollout + 0.3 * torch.randn(r, generator=gen))
+    out["uid"] = [f"prompt-{i // N_PER_PROMPT}" for i in range(N_SAMPLES)]
+    return out
+
+
+def verl_batch(seed: int = 0, *, gae_like: bool = False) -> Any:
+    """The whole rollout as verl's driver hands it to the actor: left/right padded, GRPO's
+    advantages from verl's own ``compute_grpo_outcome_advantage`` (``uid`` groups), in
+    :data:`ORDER` (as ``balance_batch`` reorders)."""
+    import numpy as np
+    import torch
+    from verl import DataProto
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    t = trajectories(seed)
+    n, width = N_SAMPLES, PROMPT_W + RESP_W
+    tensors = {
+        "input_ids": torch.zeros(n, width, dtype=torch.long),
+        "attention_mask": torch.zeros(n, width, dtype=torch.long),
+        "position_ids": torch.zeros(n, width, dtype=torch.long),
+        "responses": torch.zeros(n, RESP_W, dtype=torch.long),
+        "response_mask": torch.zeros(n, RESP_W, dtype=torch.long),
+        "old_log_probs": torch.zeros(n, RESP_W),
+        "rollout_log_probs": torch.zeros(n, RESP_W),
+        "token_level_rewards": torch.zeros(n, RESP_W),
+    }
+    for k, i in enumerate(ORDER):
+        p, r = PROMPT_LENS[i], RESP_LENS[i]
+        tensors["input_ids"][k, PROMPT_W - p : PROMPT_W] = t["prompt"][i]
+        tensors["input_ids"][k, PROMPT_W : PROMPT_W + r] = t["response"][i]
+        tensors["attention_mask"][k, PROMPT_W - p : PROMPT_W + r] = 1
+        pos = torch.clamp(tensors["attention_mask"][k].cumsum(0) - 1, min=0)
+        tensors["position_ids"][k] = pos
+        tensors["responses"][k, :r] = t["response"][i]
+        tensors["response_mask"][k, :r] = t["mask"][i]
+        tensors["old_log_probs"][k, :r] = t["old"][i]
+        tensors["rollout_log_probs"][k, :r] = t["rollout"][i]
+        last = int(t["mask"][i].nonzero()[-1])
+        tensors["token_level_rewards"][k, last] = REWARDS[i]
+    uid = np.array([t["uid"][i] for i in ORDER], dtype=object)
+    adv, _ = compute_grpo_outcome_advantage(
+        tensors["token_level_rewards"], tensors["response_mask"], uid
+    )
+    if gae_like:  # a critic's per-token advantages: not one value per trajectory
+        adv = adv + 0.1 * torch.arange(RESP_W) * tensors["response_mask"]
+    tensors["advantages"] = adv
+    del tensors["token_level_rewards"]
+    return DataProto.from_dict(
+        tensors=tensors,
+        non_tensors={"uid": uid},
+        meta_info={"temperature": 1.0, "micro_batch_size": 2},
+    )
+
+
+def _logp(model: Any, batch: Any) -> Any:
+    """``[b, RESP_W]`` log-probs of each row's response tokens (0 past its end), the forward
+    on each row without its padding."""
+    import torch
+
+    rows = []
+    for k in range(batch["input_ids"].shape[0]):
+        valid = batch["attention_mask"][k].bool()
+        tokens = batch["input_ids"][k][valid]
+        total, r = tokens.numel(), int(valid[-RESP_W:].sum())
+        logits = model(tokens[None], torch.arange(total)[None], None)[0]
+        lp = torch.log_softmax(logits[total - r - 1 : total - 1].float(), -1)
+        lp = lp.gather(1, tokens[total - r :, None]).squeeze(1)
+        rows.append(torch.cat([lp, torch.zeros(RESP_W - r)]))
+    return torch.stack(rows)
+
+
+def _ppo_forward(actor: Any, model: Any, seen: list) -> Any:
+    """The actor's ``forward_backward_batch`` on CPU: verl's own policy loss (this release's
+    ``get_policy_loss_fn``, PPO-clipped, eps from the actor config) on the GPT model's
+    log-probs of the mini-batch, one backward per micro-batch; records each row's advantages
+    (by sample: the row's tokens)."""
+    import torch
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    def forward_backward_batch(data: Any, micro_batch_size: Any = None, **_kw: Any) -> dict:
+        outputs = []
+        for micro in data.batch.split(micro_batch_size or 2):
+            for k in range(micro["input_ids"].shape[0]):
+                seen.append((micro["input_ids"][k].tolist(), micro["advantages"][k].tolist()))
+            mode = actor.config.policy_loss.get("loss_mode", "vanilla")
+            result = get_policy_loss_fn(mode)(
+                old_log_prob=micro["old_log_probs"],
+                log_prob=_logp(model, micro),
+                advantages=micro["advantages"],
+                response_mask=micro["response_mask"].bool(),
+                loss_agg_mode=actor.config.loss_agg_mode,
+                config=actor.config,
+                rollout_is_weights=None,
+            )
+            loss = result[0]
+            loss.backward()
+            outputs.append([{"actor/pg_loss": float(loss)}, None])
+        for chunk in actor.actor_module:
+            chunk.finish_grad_sync()
+        return {"output": outputs}
+
+    _ = torch
+    return forward_backward_batch
+
+
+def _optimizer(models: list) -> Any:
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.0, clip_grad=0.0)
+    return get_megatron_optimizer(config, models, use_gloo_process_groups=False)
+
+
+def run_baseline(src: str, scenario: dict) -> dict:
+    """One rank: install (unless ``no_install``), build verl's real ``MegatronPPOActor`` around
+    the GPT model (megatron DDP, real optimizer) with the config from Hydra (``hydra``), run
+    ``make_minibatch_iterator`` and ``update_policy`` on this DP rank's chunk; report."""
+    import torch
+
+    os.environ.update(scenario.get("env", {}))
+    _import_verl(src)
+    import ess_patch
+
+    if not scenario.get("no_install"):
+        ess_patch.install("verl")
+    from megatron.core import parallel_state as mpu
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from verl.workers.actor.megatron_actor import MegatronPPOActor
+    from verl_rank import composed
+
+    from ess_patch.demo.cpu import megatron_on_cpu
+
+    dp_rank = mpu.get_data_parallel_rank(with_context_parallel=False)
+    dp_size = mpu.get_data_parallel_world_size(with_context_parallel=False)
+    out: dict[str, Any] = {"dp": dp_rank}
+    with megatron_on_cpu():
+        model = gpt_model()
+        ddp = DistributedDataParallel(
+            model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model
+        )
+        optimizer = _optimizer([ddp])
+        import verl.utils.config
+
+        root = composed(src, scenario.get("hydra", []))
+        actor = object.__new__(MegatronPPOActor)
+        vars(actor).update(
+            config=verl.utils.config.omega_conf_to_dataclass(root.actor_rollout_ref.actor),
+            actor_module=[ddp],
+            actor_optimizer=optimizer,
+            enable_routing_replay=False,
+            use_torch_profiler=False,
+            prof=None,
+        )
+        seen: list = []
+        actor.forward_backward_batch = _ppo_forward(actor, ddp, seen)
+        before = [p.detach().clone() for p in ddp.parameters()]
+        data = verl_batch(scenario.get("seed", 0), gae_like=scenario.get("gae_like", False))
+        local = data.chunk(dp_size)[dp_rank]
+        given = local.batch["advantages"].clone()
+        try:
+            loader = actor.make_minibatch_iterator(local)
+            metrics = actor.update_policy(dataloader=loader)
+            out["metrics"] = {k: v for k, v in metrics.items() if "ess_baseline" in k}
+            out["pg_loss"] = metrics.get("actor/pg_loss")
+        except Exception as exc:  # reported: the test compares every rank's error
+            out["error"] = f"{type(exc).__name__}: {exc}"
+        out["seen"] = seen
+        out["params_unchanged"] = all(
+            torch.equal(a, b.detach()) for a, b in zip(before, ddp.parameters(), strict=True)
+        )
+        out["params"] = [p.detach().clone() for p in ddp.parameters()]
+        out["caller_data_kept"] = torch.equal(local.batch["advantages"], given) and (
+            "_ess_patch_row" not in local.batch.keys()  # noqa: SIM118 - a TensorDict
+        )
+    return out
+
+
+def expected_probe(src: str, seed: int = 0) -> dict:
+    """The independent expectation, single process: each sample's squared gradient norm from
+    one backward of ``sum_t mask_t w_t log p(y_t)`` over every parameter (plain
+    ``log_softmax`` on the unpadded trajectory, ``w_t = exp(old - rollout)``), GRPO's
+    advantage of each sample from verl's batch, and ``min_variance_baseline`` on them: the
+    advantage each sample must train with, and the batch rows' input ids (to find a row's
+    sample)."""
+    import torch
+
+    _import_verl(src)
+    from ess_patch.baseline import min_variance_baseline
+    from ess_patch.demo.cpu import megatron_on_cpu
+
+    t = trajectories(seed)
+    batch = verl_batch(seed)
+    with megatron_on_cpu():
+        model = gpt_model()
+        params = [p for p in model.parameters() if p.requires_grad]
+        sq = []
+        for i in range(N_SAMPLES):
+            tokens = torch.cat([t["prompt"][i], t["response"][i]])
+            total, r = tokens.numel(), RESP_LENS[i]
+            logits = model(tokens[None], torch.arange(total)[None], None)[0]
+            lp = torch.log_softmax(logits[total - r - 1 : total - 1].float(), -1)
+            lp = lp.gather(1, tokens[total - r :, None]).squeeze(1)
+            w = torch.exp(t["old"][i] - t["rollout"][i])
+            term = (t["mask"][i] * w * lp).sum()
+            grads = torch.autograd.grad(term, params)
+            sq.append(sum(g.double().square().sum() for g in grads))
+    grpo = torch.zeros(N_SAMPLES, dtype=torch.float64)
+    for k, i in enumerate(ORDER):
+        row = batch.batch["advantages"][k]
+        grpo[i] = float(row[batch.batch["response_mask"][k].bool()].double().mean())
+    groups = torch.tensor([i // N_PER_PROMPT for i in range(N_SAMPLES)])
+    res = min_variance_baseline(None, grpo, torch.stack(sq), groups)
+    rows = {tuple(batch.batch["input_ids"][k].tolist()): i for k, i in enumerate(ORDER)}
+    return {
+        "expected": res.advantages.tolist(),
+        "grpo": grpo.tolist(),
+        "sq": [float(x) for x in sq],
+        "rows": rows,
+        "masks": [m.tolist() for m in t["mask"]],
+    }
