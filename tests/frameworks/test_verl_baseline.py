@@ -283,6 +283,41 @@ def test_the_legacy_actor_trains_on_r_minus_b_star_from_brute_force_norms(tmp_pa
 @needs_verl
 @pytest.mark.dist
 @pytest.mark.parametrize("src", ONE_OF_EACH, ids=lambda p: p.name)
+def test_the_proxy_path_and_ess_lr_beside_it_dp2(tmp_path, src):
+    """actor.grad_baselining.path=proxy (the forward-only proxy of verl's Optimal Token
+    Baseline): A - b* with b* from the proxy computed by hand (autograd of each token's
+    log-prob with respect to its logits), not the exact one; and with ESS-LR on beside the
+    baseline (ESS_LR_ENABLE=1), both apply: the exact b* in the advantages, each step's LR
+    scaled (actor/lr_scale below 1)."""
+    expect = _expected(tmp_path, src)
+    gap = max(abs(a - b) for a, b in zip(expect["expected"], expect["expected_proxy"], strict=True))
+    assert gap > 1e-4  # the proxy's b* is its own: the check can tell them apart
+    proxy = run_ranks(
+        _baseline_rank,
+        dp=2,
+        args=(str(src), {"hydra": [*ON_KEY, f"+{ACTOR}.grad_baselining.path=proxy"]}),
+        tmp_path=tmp_path / "proxy",
+        timeout=300,
+    )
+    _check_applied(expect, proxy, want=expect["expected_proxy"])
+    assert all(r["metrics"]["actor/ess_baseline_applied"] == [1.0] for r in proxy)
+    both = run_ranks(
+        _baseline_rank,
+        dp=2,
+        args=(str(src), {"hydra": ON_KEY, "env": {"ESS_LR_ENABLE": "1"}}),
+        tmp_path=tmp_path / "both",
+        timeout=300,
+    )
+    _check_applied(expect, both)
+    for r in both:
+        assert r["metrics"]["actor/ess_baseline_applied"] == [1.0]
+        scales = r["lr_scale"]
+        assert len(scales) == 2 and all(0 < s < 1 for s in scales), scales
+
+
+@needs_verl
+@pytest.mark.dist
+@pytest.mark.parametrize("src", ONE_OF_EACH, ids=lambda p: p.name)
 def test_off_and_shadow_train_bit_identically_to_unpatched_verl(tmp_path, src):
     """DP2: unpatched verl, installed with the baseline off, and in shadow mode
     (ESS_LR_BASELINE_SHADOW=1): the same advantages seen and the same parameters, bit for
@@ -327,15 +362,27 @@ def test_off_and_shadow_train_bit_identically_to_unpatched_verl(tmp_path, src):
             {"env": {"ESS_LR_BASELINE": "1"}, "gae_like": True},
             "advantage differs between its tokens",
         ),
+        (
+            {},
+            {"env": {"ESS_LR_BASELINE": "1"}, "temperature": 0.7},
+            "the rollout temperature is 0.7",
+        ),
+        (
+            {},
+            {"env": {"ESS_LR_BASELINE": "1"}, "own_loader": True},
+            "make_minibatch_iterator did not make",
+        ),
     ],
-    ids=["pp2", "cp2", "gae_advantages"],
+    ids=["pp2", "cp2", "gae_advantages", "temperature", "own_dataloader"],
 )
 @pytest.mark.parametrize("src", ONE_OF_EACH[:1], ids=lambda p: p.name)
 def test_what_the_legacy_actor_cannot_serve_stops_every_rank_first(
     tmp_path, src, layout, scenario, message
 ):
     """Refused by name on every rank before any step: PP2, CP2 (the norm pass runs one stage
-    on whole sequences), per-token advantages (a critic's GAE: no group mean to replace)."""
+    on whole sequences), per-token advantages (a critic's GAE: no group mean to replace), a
+    sampling temperature other than 1, an update_policy dataloader that verl's
+    make_minibatch_iterator did not make (nothing was rewritten)."""
     ranks = run_ranks(
         _baseline_rank,
         dp=2,

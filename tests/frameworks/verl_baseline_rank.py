@@ -284,12 +284,18 @@ def run_baseline(src: str, scenario: dict) -> dict:
         before = [p.detach().clone() for p in ddp.parameters()]
         data = verl_batch(scenario.get("seed", 0), gae_like=scenario.get("gae_like", False))
         local = data.chunk(dp_size)[dp_rank]
+        if "temperature" in scenario:
+            local.meta_info["temperature"] = scenario["temperature"]
         given = local.batch["advantages"].clone()
         try:
-            loader = actor.make_minibatch_iterator(local)
+            if scenario.get("own_loader"):  # a dataloader make_minibatch_iterator did not make
+                loader = local.make_iterator(mini_batch_size=2, epochs=1)
+            else:
+                loader = actor.make_minibatch_iterator(local)
             metrics = actor.update_policy(dataloader=loader)
             out["metrics"] = {k: v for k, v in metrics.items() if "ess_baseline" in k}
             out["pg_loss"] = metrics.get("actor/pg_loss")
+            out["lr_scale"] = metrics.get("actor/lr_scale")
         except Exception as exc:  # reported: the test compares every rank's error
             out["error"] = f"{type(exc).__name__}: {exc}"
         out["seen"] = seen
@@ -321,7 +327,7 @@ def expected_probe(src: str, seed: int = 0) -> dict:
     with megatron_on_cpu():
         model = gpt_model()
         params = [p for p in model.parameters() if p.requires_grad]
-        sq = []
+        sq, proxy = [], []
         for i in range(N_SAMPLES):
             tokens = torch.cat([t["prompt"][i], t["response"][i]])
             total, r = tokens.numel(), RESP_LENS[i]
@@ -332,15 +338,28 @@ def expected_probe(src: str, seed: int = 0) -> dict:
             term = (t["mask"][i] * w * lp).sum()
             grads = torch.autograd.grad(term, params)
             sq.append(sum(g.double().square().sum() for g in grads))
+            # the forward-only proxy by hand: per token, the squared norm of the autograd
+            # gradient of log p(y_t) with respect to that position's logits, x mask_t w_t^2
+            z = logits[total - r - 1 : total - 1].detach().double().requires_grad_()
+            zlp = torch.log_softmax(z, -1).gather(1, tokens[total - r :, None]).squeeze(1)
+            per_token = torch.stack(
+                [
+                    torch.autograd.grad(zlp[k], z, retain_graph=True)[0][k].square().sum()
+                    for k in range(r)
+                ]
+            )
+            proxy.append((t["mask"][i].double() * w.double().square() * per_token).sum())
     grpo = torch.zeros(N_SAMPLES, dtype=torch.float64)
     for k, i in enumerate(ORDER):
         row = batch.batch["advantages"][k]
         grpo[i] = float(row[batch.batch["response_mask"][k].bool()].double().mean())
     groups = torch.tensor([i // N_PER_PROMPT for i in range(N_SAMPLES)])
     res = min_variance_baseline(None, grpo, torch.stack(sq), groups)
+    res_proxy = min_variance_baseline(None, grpo, torch.stack(proxy), groups)
     rows = {tuple(batch.batch["input_ids"][k].tolist()): i for k, i in enumerate(ORDER)}
     return {
         "expected": res.advantages.tolist(),
+        "expected_proxy": res_proxy.advantages.tolist(),
         "grpo": grpo.tolist(),
         "sq": [float(x) for x in sq],
         "rows": rows,
