@@ -278,6 +278,17 @@ def test_the_legacy_actor_trains_on_r_minus_b_star_from_brute_force_norms(tmp_pa
         timeout=300,
     )
     _check_applied(expect, exact)
+    # verl's shuffled mini-batches over two epochs: each row read back wherever it lands
+    shuffled = [*ON_KEY, f"{ACTOR}.shuffle=true", f"{ACTOR}.ppo_epochs=2"]
+    ranks = run_ranks(
+        _baseline_rank,
+        dp=2,
+        args=(str(src), {"hydra": shuffled}),
+        tmp_path=tmp_path / "shuffled",
+        timeout=300,
+    )
+    _check_applied(expect, ranks)
+    assert all(len(r["seen"]) == 8 for r in ranks)  # 4 rows per rank, twice
 
 
 @needs_verl
@@ -372,8 +383,13 @@ def test_off_and_shadow_train_bit_identically_to_unpatched_verl(tmp_path, src):
             {"env": {"ESS_LR_BASELINE": "1"}, "own_loader": True},
             "make_minibatch_iterator did not make",
         ),
+        (
+            {},
+            {"env": {"ESS_LR_BASELINE": "1"}, "tamper": True},
+            "are not the rewritten rewards (r - b*)",
+        ),
     ],
-    ids=["pp2", "cp2", "gae_advantages", "temperature", "own_dataloader"],
+    ids=["pp2", "cp2", "gae_advantages", "temperature", "own_dataloader", "read_back"],
 )
 @pytest.mark.parametrize("src", ONE_OF_EACH[:1], ids=lambda p: p.name)
 def test_what_the_legacy_actor_cannot_serve_stops_every_rank_first(
@@ -382,7 +398,8 @@ def test_what_the_legacy_actor_cannot_serve_stops_every_rank_first(
     """Refused by name on every rank before any step: PP2, CP2 (the norm pass runs one stage
     on whole sequences), per-token advantages (a critic's GAE: no group mean to replace), a
     sampling temperature other than 1, an update_policy dataloader that verl's
-    make_minibatch_iterator did not make (nothing was rewritten)."""
+    make_minibatch_iterator did not make (nothing was rewritten); and the read-back: mini-batches
+    whose advantages changed after the rewrite stop every rank before their step."""
     ranks = run_ranks(
         _baseline_rank,
         dp=2,

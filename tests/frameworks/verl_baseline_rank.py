@@ -232,6 +232,19 @@ def _ppo_forward(actor: Any, model: Any, seen: list) -> Any:
     return forward_backward_batch
 
 
+def _tamper_iterator(cls: Any) -> None:
+    """``DataProto.make_iterator`` (this process only) yields mini-batches whose advantages
+    are doubled: what a mini-batch trains on is then not what the baseline wrote."""
+    original = cls.make_iterator
+
+    def make_iterator(self: Any, *args: Any, **kwargs: Any) -> Any:
+        for mini in original(self, *args, **kwargs):
+            mini.batch["advantages"] = mini.batch["advantages"] * 2
+            yield mini
+
+    cls.make_iterator = make_iterator
+
+
 def _optimizer(models: list) -> Any:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -287,6 +300,8 @@ def run_baseline(src: str, scenario: dict) -> dict:
         if "temperature" in scenario:
             local.meta_info["temperature"] = scenario["temperature"]
         given = local.batch["advantages"].clone()
+        if scenario.get("tamper"):  # something between verl's selection and its loss
+            _tamper_iterator(type(local))
         try:
             if scenario.get("own_loader"):  # a dataloader make_minibatch_iterator did not make
                 loader = local.make_iterator(mini_batch_size=2, epochs=1)
