@@ -33,6 +33,12 @@ path.
 - ``make_minibatch_iterator`` / ``update_policy`` (legacy): the same per mini-batch (or per
   rollout) ESS, armed for each ``actor_optimizer.step()`` as ``update_policy`` draws the
   mini-batches, metrics as ``actor/...`` lists.
+- VCPO's baseline (``ESS_LR_BASELINE*`` or VCPO's ``actor.grad_baselining``, with or without
+  ESS-LR; ``verl_baseline_settings.py``): ``make_minibatch_iterator`` rewrites the chunk's
+  GRPO advantages to ``A - b*`` for the mini-batches (``verl_baseline.py``: the norm pass on
+  ``actor_module``, groups from ``uid`` reduced over DP), ``update_policy`` reads each
+  mini-batch back before verl trains on it and logs ``actor/ess_baseline_*``. The engine
+  path's ``update_actor``, the FSDP actor and the Tinker worker refuse it by name.
 - ``forward_backward`` / ``optimizer_step`` of main's Tinker worker: refused while ESS-LR is
   on (they step the actor outside ``update_actor`` / ``train_batch``), before any gradient.
 - ``get_ppo_ray_runtime_env`` (the driver, before ``ray.init``): every Ray actor's environment
