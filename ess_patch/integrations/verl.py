@@ -100,6 +100,8 @@ from ..patching import FailClosedError, MissingTargetError, Target
 from ..result import EssLrResult
 from ..state import disarm
 from . import Integration
+from .baseline_flags import ENV_ON as ENV_BASELINE
+from .baseline_flags import ENV_SHADOW as ENV_BASELINE_SHADOW
 from .binding import bind, bind_method, call_method, call_with, undecorated
 from .rl_hooks import Groups, applied_metrics, megatron_groups, result_metrics
 from .shapes import Aspect, Feature, History, Shape
@@ -645,9 +647,10 @@ class _Gone(_Module):
 
 
 class _VerlHistory(History):
-    """verl's shapes; a verl that fits none while ``ESS_LR_ENABLE`` is on in this process is
-    refused with :class:`FailClosedError`, which fails the host's import (the run stops)
-    instead of rolling verl back and training the policy at the scheduled LR."""
+    """verl's shapes; a verl that fits none while ``ESS_LR_ENABLE`` (or ``ESS_LR_BASELINE*``)
+    is on in this process is refused with :class:`FailClosedError`, which fails the host's
+    import (the run stops) instead of rolling verl back and training the policy at the
+    scheduled LR (or with the group mean)."""
 
     def choose(self, name: str) -> Shape:
         try:
@@ -655,19 +658,26 @@ class _VerlHistory(History):
         except FailClosedError:
             raise
         except MissingTargetError as exc:
-            if not (enable_requested() or baseline_requested()):
-                raise
-            if allow_unscaled():  # the explicit opt-out: roll verl back, logged as such
-                logger.warning(
-                    "ess-patch (verl, opt-out ESS_PATCH_ALLOW_UNSCALED): going on unscaled: %s",
-                    exc,
-                )
-                raise
-            raise FailClosedError(
-                f"{exc}. {ENV_ENABLE} is on in this process, so the run stops here rather "
-                f"than train the policy at the scheduled LR (unset {ENV_ENABLE} to run verl "
-                "without ESS-LR)"
-            ) from exc
+            baseline = baseline_requested()  # ESS_LR_BASELINE* (VCPO's key is read later)
+            if enable_requested():
+                if allow_unscaled() and not baseline:  # the opt-out: roll back, logged
+                    logger.warning(
+                        "ess-patch (verl, opt-out ESS_PATCH_ALLOW_UNSCALED): going on unscaled: %s",
+                        exc,
+                    )
+                    raise
+                raise FailClosedError(
+                    f"{exc}. {ENV_ENABLE} is on in this process, so the run stops here rather "
+                    f"than train the policy at the scheduled LR (unset {ENV_ENABLE} to run "
+                    "verl without ESS-LR)"
+                ) from exc
+            if baseline:  # no opt-out: ESS_PATCH_ALLOW_UNSCALED is about the LR
+                raise FailClosedError(
+                    f"{exc}. VCPO's baseline is requested in this process ({ENV_BASELINE} or "
+                    f"{ENV_BASELINE_SHADOW}), so the run stops here rather than train with the "
+                    f"group mean (unset them to run verl without the baseline)"
+                ) from exc
+            raise
 
 
 _ENGINE_FEATURES = (

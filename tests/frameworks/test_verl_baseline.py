@@ -412,3 +412,28 @@ def test_what_the_legacy_actor_cannot_serve_stops_every_rank_first(
         assert message in r.get("error", ""), r.get("error")
         assert "ESS_LR_BASELINE=1" in r["error"] or "baseline was requested" in r["error"]
         assert r["seen"] == [] and r["params_unchanged"]
+
+
+def _verl_probe(name: str, *args):
+    sys.path.insert(0, str(HERE))
+    import verl_rank
+
+    return getattr(verl_rank, name)(*args)
+
+
+@needs_verl
+@pytest.mark.dist
+@pytest.mark.parametrize("src", NEWEST, ids=lambda p: p.name)
+def test_a_verl_with_neither_actor_path_stops_a_run_that_requests_the_baseline(tmp_path, src):
+    """A verl with neither the legacy actor nor the engine path, ESS_LR_BASELINE=1 (ESS-LR
+    off): importing verl.workers fails with the refusal, naming the baseline's variables."""
+    from test_verl import _without_actor_paths
+
+    tree = _without_actor_paths(src, tmp_path)
+    (r,) = run_ranks(
+        _verl_probe, args=("neither_probe", str(tree), "", "1"), tmp_path=tmp_path / "run"
+    )
+    assert r["import_error"].startswith("FailClosedError: ess-patch (verl)"), r["import_error"]
+    assert "VCPO's baseline is requested in this process (ESS_LR_BASELINE" in r["import_error"]
+    assert "module verl.workers.engine_workers does not exist" in r["import_error"]
+    assert r["targets"] == []

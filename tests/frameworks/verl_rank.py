@@ -469,7 +469,7 @@ def engine_missing_probe(src: str) -> dict:
     return out
 
 
-def neither_probe(tree: str, enable: str = "") -> dict:
+def neither_probe(tree: str, enable: str = "", baseline: str = "") -> dict:
     """A verl with neither the engine path nor the legacy actor (``tree``: a copy without
     them), imported after install(): what is logged and recorded, what stays patched, and
     what the import of ``verl.workers`` raised (with ``ESS_LR_ENABLE=enable``); then VCPO's
@@ -479,6 +479,8 @@ def neither_probe(tree: str, enable: str = "") -> dict:
 
     if enable:
         os.environ["ESS_LR_ENABLE"] = enable
+    if baseline:  # VCPO's baseline asked for by the environment (test_verl_baseline.py)
+        os.environ["ESS_LR_BASELINE"] = baseline
     _import_verl(tree)
     import ess_patch
     from ess_patch.install import failed_integrations, installed_targets
