@@ -293,6 +293,38 @@ def test_the_legacy_actor_trains_on_r_minus_b_star_from_brute_force_norms(tmp_pa
 
 @needs_verl
 @pytest.mark.dist
+@pytest.mark.parametrize("src", ONE_OF_EACH[:1], ids=lambda p: p.name)
+def test_tp2_and_dp2_x_tp2_train_on_r_minus_b_star(tmp_path, src):
+    """The GPTModel TP-sharded over two ranks (vocabulary-parallel logits: the norm pass's
+    TP-reduced log-softmax, norms summed over TP): every mini-batch on every rank trains on
+    A - b*, b* from one backward per trajectory on that same sharded model (summed over TP),
+    in TP2 and in DP2 x TP2 (both groups split over DP)."""
+    expect = _expected(tmp_path, src)
+    for world in (2, 4):
+        ranks = run_ranks(
+            _baseline_rank,
+            dp=world,
+            args=(str(src), {"hydra": ON_KEY, "tp": 2}),
+            tmp_path=tmp_path / f"world{world}",
+            timeout=400,
+        )
+        want = ranks[0]["expected_here"]
+        assert all(r["expected_here"] == pytest.approx(want, rel=1e-9) for r in ranks)
+        assert max(abs(a - b) for a, b in zip(want, expect["grpo"], strict=True)) > 1e-3
+        # megatron's CPU initialisation shards the TP1 model's weights: the same b* as TP1
+        assert want == pytest.approx(expect["expected"], rel=1e-5, abs=1e-6)
+        assert sorted((r["dp"], r["tp"]) for r in ranks) == [
+            (d, t) for d in range(world // 2) for t in range(2)
+        ]
+        _check_applied(expect, ranks, want=want)
+        for r in ranks:
+            assert r["metrics"]["actor/ess_baseline_applied"] == [1.0]
+            split = 2.0 if world == 4 else 0.0
+            assert r["metrics"]["actor/ess_baseline_split_groups"] == [split]
+
+
+@needs_verl
+@pytest.mark.dist
 @pytest.mark.parametrize("src", ONE_OF_EACH, ids=lambda p: p.name)
 def test_the_proxy_path_and_ess_lr_beside_it_dp2(tmp_path, src):
     """actor.grad_baselining.path=proxy (the forward-only proxy of verl's Optimal Token

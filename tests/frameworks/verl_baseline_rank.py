@@ -79,8 +79,9 @@ REWARDS = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0]
 ORDER = [0, 4, 1, 5, 2, 6, 3, 7]  # row k of the batch is sample ORDER[k]
 
 
-def gpt_model() -> Any:
-    """megatron-core's GPTModel, local spec: RMSNorm, no bias, SwiGLU, GQA, rope, untied."""
+def gpt_model(tp: int = 1) -> Any:
+    """megatron-core's GPTModel, local spec: RMSNorm, no bias, SwiGLU, GQA, rope, untied
+    (TP-sharded over ``tp`` ranks: vocabulary-parallel embedding and output layer)."""
     import torch
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
@@ -97,6 +98,7 @@ def gpt_model() -> Any:
         add_bias_linear=False,
         gated_linear_unit=True,
         activation_func=F.silu,
+        tensor_model_parallel_size=tp,
         use_cpu_initialization=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -191,7 +193,8 @@ def _logp(model: Any, batch: Any) -> Any:
         valid = batch["attention_mask"][k].bool()
         tokens = batch["input_ids"][k][valid]
         total, r = tokens.numel(), int(valid[-RESP_W:].sum())
-        logits = model(tokens[None], torch.arange(total)[None], None)[0]
+        pos = torch.arange(total)[None]
+        logits = model(tokens[None], pos, None, runtime_gather_output=True)[0]
         lp = torch.log_softmax(logits[total - r - 1 : total - 1].float(), -1)
         lp = lp.gather(1, tokens[total - r :, None]).squeeze(1)
         rows.append(torch.cat([lp, torch.zeros(RESP_W - r)]))
@@ -245,6 +248,41 @@ def _tamper_iterator(cls: Any) -> None:
     cls.make_iterator = make_iterator
 
 
+def _brute_force_tp(model: Any, seed: int) -> list[float]:
+    """The expectation of :func:`expected_probe` on a TP-sharded model: each sample's squared
+    norm from one backward over every parameter (gathered logits, plain ``log_softmax``;
+    replicated parameters counted once, on TP rank 0), summed over TP; then
+    ``min_variance_baseline`` of GRPO's advantages."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from ess_patch.baseline import min_variance_baseline
+
+    t, batch = trajectories(seed), verl_batch(seed)
+    tp_group, tp_rank = mpu.get_tensor_model_parallel_group(), mpu.get_tensor_model_parallel_rank()
+    params = [p for p in model.parameters() if p.requires_grad]
+    counted = [tp_rank == 0 or getattr(p, "tensor_model_parallel", False) for p in params]
+    sq = torch.zeros(N_SAMPLES, dtype=torch.float64)
+    for i in range(N_SAMPLES):
+        tokens = torch.cat([t["prompt"][i], t["response"][i]])
+        total, r = tokens.numel(), RESP_LENS[i]
+        logits = model(tokens[None], torch.arange(total)[None], None, runtime_gather_output=True)
+        lp = torch.log_softmax(logits[0, total - r - 1 : total - 1].float(), -1)
+        lp = lp.gather(1, tokens[total - r :, None]).squeeze(1)
+        term = (t["mask"][i] * torch.exp(t["old"][i] - t["rollout"][i]) * lp).sum()
+        grads = torch.autograd.grad(term, params)
+        sq[i] = sum(g.double().square().sum() for g, c in zip(grads, counted, strict=True) if c)
+    dist.all_reduce(sq, group=tp_group)
+    grpo = torch.zeros(N_SAMPLES, dtype=torch.float64)
+    for k, i in enumerate(ORDER):
+        grpo[i] = float(
+            batch.batch["advantages"][k][batch.batch["response_mask"][k].bool()].double().mean()
+        )
+    groups = torch.tensor([i // N_PER_PROMPT for i in range(N_SAMPLES)])
+    return min_variance_baseline(None, grpo, sq, groups).advantages.tolist()
+
+
 def _optimizer(models: list) -> Any:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -271,11 +309,19 @@ def run_baseline(src: str, scenario: dict) -> dict:
 
     from ess_patch.demo.cpu import megatron_on_cpu
 
+    tp = scenario.get("tp", 1)
+    if tp > 1:  # the launcher's DP-only world, regrouped: TP inside, DP across
+        mpu.destroy_model_parallel()
+        mpu.initialize_model_parallel(
+            tensor_model_parallel_size=tp, create_gloo_process_groups=False
+        )
     dp_rank = mpu.get_data_parallel_rank(with_context_parallel=False)
     dp_size = mpu.get_data_parallel_world_size(with_context_parallel=False)
-    out: dict[str, Any] = {"dp": dp_rank}
+    out: dict[str, Any] = {"dp": dp_rank, "tp": mpu.get_tensor_model_parallel_rank()}
     with megatron_on_cpu():
-        model = gpt_model()
+        model = gpt_model(tp)
+        if tp > 1:  # the brute-force expectation on this very model, before the update
+            out["expected_here"] = _brute_force_tp(model, scenario.get("seed", 0))
         ddp = DistributedDataParallel(
             model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model
         )
