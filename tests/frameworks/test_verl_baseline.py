@@ -69,6 +69,31 @@ def test_each_way_to_ask(clean_env):
     )
 
 
+def test_vcpos_own_dataclass_node_is_read(clean_env):
+    """VCPO's fork builds actor.grad_baselining as its GradBaselineConfig dataclass: read
+    field by field. Every field is given there, norm_by_std too, and that one is refused by
+    name (the std is verl's algorithm.norm_adv_by_std_in_grpo, which the actor cannot see)."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class GradBaselineConfig:  # mit-han-lab/vcpo verl/workers/config/actor.py, verbatim fields
+        enable: bool = False
+        scope: str = "group"
+        agg_mode: str = "mean"
+        use_is_weights: bool = True
+        use_clipped_is_ratios: bool = False
+        normalize_by_length: bool = False
+        norm_by_std: bool = False
+
+    class Actor:
+        grad_baselining = GradBaselineConfig()
+
+    assert baseline_settings(Actor()) is None  # enable false: off
+    Actor.grad_baselining = GradBaselineConfig(enable=True)
+    with pytest.raises(EssPatchValueError, match="norm_by_std"):
+        baseline_settings(Actor())
+
+
 @pytest.mark.parametrize(
     ("node", "env", "match"),
     [
