@@ -354,7 +354,8 @@ def test_tp2_and_dp2_x_tp2_train_on_r_minus_b_star(tmp_path, src):
 def test_the_proxy_path_and_ess_lr_beside_it_dp2(tmp_path, src):
     """actor.grad_baselining.path=proxy (the forward-only proxy of verl's Optimal Token
     Baseline): A - b* with b* from the proxy computed by hand (autograd of each token's
-    log-prob with respect to its logits), not the exact one; and with ESS-LR on beside the
+    log-prob with respect to its logits), not the exact one; use_is_weights=false: b* from
+    the unweighted norms; and with ESS-LR on beside the
     baseline (ESS_LR_ENABLE=1), both apply: the exact b* in the advantages, each step's LR
     scaled (actor/lr_scale below 1)."""
     expect = _expected(tmp_path, src)
@@ -369,6 +370,19 @@ def test_the_proxy_path_and_ess_lr_beside_it_dp2(tmp_path, src):
     )
     _check_applied(expect, proxy, want=expect["expected_proxy"])
     assert all(r["metrics"]["actor/ess_baseline_applied"] == [1.0] for r in proxy)
+    # VCPO's use_is_weights: false: the norms of sum_t log p(y_t), no IS weight
+    plain = run_ranks(
+        _baseline_rank,
+        dp=2,
+        args=(str(src), {"hydra": [*ON_KEY, f"+{ACTOR}.grad_baselining.use_is_weights=false"]}),
+        tmp_path=tmp_path / "no_weights",
+        timeout=300,
+    )
+    gap = max(
+        abs(a - b) for a, b in zip(expect["expected"], expect["expected_no_weights"], strict=True)
+    )
+    assert gap > 1e-4
+    _check_applied(expect, plain, want=expect["expected_no_weights"])
     both = run_ranks(
         _baseline_rank,
         dp=2,

@@ -388,7 +388,7 @@ def expected_probe(src: str, seed: int = 0) -> dict:
     with megatron_on_cpu():
         model = gpt_model()
         params = [p for p in model.parameters() if p.requires_grad]
-        sq, proxy = [], []
+        sq, proxy, sq_plain = [], [], []
         for i in range(N_SAMPLES):
             tokens = torch.cat([t["prompt"][i], t["response"][i]])
             total, r = tokens.numel(), RESP_LENS[i]
@@ -397,8 +397,10 @@ def expected_probe(src: str, seed: int = 0) -> dict:
             lp = lp.gather(1, tokens[total - r :, None]).squeeze(1)
             w = torch.exp(t["old"][i] - t["rollout"][i])
             term = (t["mask"][i] * w * lp).sum()
-            grads = torch.autograd.grad(term, params)
+            grads = torch.autograd.grad(term, params, retain_graph=True)
             sq.append(sum(g.double().square().sum() for g in grads))
+            unweighted = torch.autograd.grad((t["mask"][i] * lp).sum(), params)
+            sq_plain.append(sum(g.double().square().sum() for g in unweighted))
             # the forward-only proxy by hand: per token, the squared norm of the autograd
             # gradient of log p(y_t) with respect to that position's logits, x mask_t w_t^2
             z = logits[total - r - 1 : total - 1].detach().double().requires_grad_()
@@ -417,10 +419,12 @@ def expected_probe(src: str, seed: int = 0) -> dict:
     groups = torch.tensor([i // N_PER_PROMPT for i in range(N_SAMPLES)])
     res = min_variance_baseline(None, grpo, torch.stack(sq), groups)
     res_proxy = min_variance_baseline(None, grpo, torch.stack(proxy), groups)
+    res_plain = min_variance_baseline(None, grpo, torch.stack(sq_plain), groups)
     rows = {tuple(batch.batch["input_ids"][k].tolist()): i for k, i in enumerate(ORDER)}
     return {
         "expected": res.advantages.tolist(),
         "expected_proxy": res_proxy.advantages.tolist(),
+        "expected_no_weights": res_plain.advantages.tolist(),
         "grpo": grpo.tolist(),
         "sq": [float(x) for x in sq],
         "rows": rows,
