@@ -238,10 +238,13 @@ class EssLrConfig:
         return cls(**values)  # type: ignore[arg-type]
 
 
-#: Every ``ESS_LR_*`` variable ess-patch reads: one per field, and verl's switch.
+#: Every ``ESS_LR_*`` variable ess-patch reads: one per field, verl's switch, and the
+#: baseline's three (``integrations/baseline_flags.py``: ``ESS_LR_BASELINE``, ``..._SHADOW``,
+#: ``..._PATH``; without them here install() refused the baseline's own variables).
 ENV_NAMES: tuple[str, ...] = (
     *(_ENV_PREFIX + f.name.upper() for f in fields(EssLrConfig)),
     _ENV_PREFIX + "ENABLE",
+    *(_ENV_PREFIX + name for name in ("BASELINE", "BASELINE_SHADOW", "BASELINE_PATH")),
 )
 
 

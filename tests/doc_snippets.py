@@ -181,14 +181,12 @@ def vcpo_keys(tokens: list[str]) -> dict[str, object]:
 
 
 def known_variables() -> set[str]:
-    """Every ``ESS_PATCH_*`` name the package, the tests or tox.ini read, ``ESS_LR_<FIELD>`` for
-    each ``EssLrConfig`` field, and verl's ``ESS_LR_ENABLE``."""
-    from dataclasses import fields
+    """Every ``ESS_PATCH_*`` name the package, the tests or tox.ini read, and every
+    ``ESS_LR_*`` variable install() knows (``config.ENV_NAMES``: ``ESS_LR_<FIELD>`` for each
+    ``EssLrConfig`` field, verl's ``ESS_LR_ENABLE``, the baseline's ``ESS_LR_BASELINE*``)."""
+    from ess_patch.config import ENV_NAMES
 
-    from ess_patch import EssLrConfig
-    from ess_patch.integrations.verl_settings import ENV_ENABLE
-
-    names = {f"ESS_LR_{f.name.upper()}" for f in fields(EssLrConfig)} | {ENV_ENABLE}
+    names = set(ENV_NAMES)
     sources = [*(ROOT / "ess_patch").rglob("*.py"), *(ROOT / "tests").rglob("*.py")]
     for path in [*sources, ROOT / "tox.ini"]:
         names.update(re.findall(r"\bESS_PATCH_[A-Z_]+[A-Z]\b", path.read_text(encoding="utf-8")))

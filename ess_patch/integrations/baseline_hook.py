@@ -293,9 +293,16 @@ def _mismatch(host_args: Any, rollout_data: dict, expected: list[float]) -> int:
 
 
 def check_applied(
-    framework: str, host_args: Any, rollout_data: dict, record: dict, dp_group: Any
+    framework: str,
+    host_args: Any,
+    rollout_data: dict,
+    record: dict,
+    dp_group: Any,
+    *,
+    fix: str = "Drop --use-ess-baseline or use grpo / gspo / cispo",
 ) -> None:
-    """Step 4: every sample's advantage is ``r_i - b*`` (float32 tolerance), on every DP rank."""
+    """Step 4: every sample's advantage is ``r_i - b*`` (float32 tolerance), on every DP rank;
+    ``fix`` ends the error (the framework's own setting names)."""
     if record["mode"] != "on":
         return
     bad = _mismatch(host_args, rollout_data, record["expected"])
@@ -311,7 +318,6 @@ def check_applied(
         raise EssLrNotAppliedError(
             f"ess-patch ({framework}): the VCPO baseline was requested but the advantages of "
             f"{where} are not the rewritten rewards (r - b*): the advantage routine did not "
-            "take them (a custom advantage function, another estimator). Drop "
-            "--use-ess-baseline or use grpo / gspo / cispo"
+            f"take them (a custom advantage function, another estimator). {fix}"
         )
     record["metrics"]["ess_baseline_applied"] = 1.0

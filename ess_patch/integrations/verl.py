@@ -33,6 +33,12 @@ path.
 - ``make_minibatch_iterator`` / ``update_policy`` (legacy): the same per mini-batch (or per
   rollout) ESS, armed for each ``actor_optimizer.step()`` as ``update_policy`` draws the
   mini-batches, metrics as ``actor/...`` lists.
+- VCPO's baseline (``ESS_LR_BASELINE*`` or VCPO's ``actor.grad_baselining``, with or without
+  ESS-LR; ``verl_baseline_settings.py``): ``make_minibatch_iterator`` rewrites the chunk's
+  GRPO advantages to ``A - b*`` for the mini-batches (``verl_baseline.py``: the norm pass on
+  ``actor_module``, groups from ``uid`` reduced over DP), ``update_policy`` reads each
+  mini-batch back before verl trains on it and logs ``actor/ess_baseline_*``. The engine
+  path's ``update_actor``, the FSDP actor and the Tinker worker refuse it by name.
 - ``forward_backward`` / ``optimizer_step`` of main's Tinker worker: refused while ESS-LR is
   on (they step the actor outside ``update_actor`` / ``train_batch``), before any gradient.
 - ``get_ppo_ray_runtime_env`` (the driver, before ``ray.init``): every Ray actor's environment
@@ -82,7 +88,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,9 +100,12 @@ from ..patching import FailClosedError, MissingTargetError, Target
 from ..result import EssLrResult
 from ..state import disarm
 from . import Integration
+from .baseline_flags import ENV_ON as ENV_BASELINE
+from .baseline_flags import ENV_SHADOW as ENV_BASELINE_SHADOW
 from .binding import bind, bind_method, call_method, call_with, undecorated
 from .rl_hooks import Groups, applied_metrics, megatron_groups, result_metrics
 from .shapes import Aspect, Feature, History, Shape
+from .verl_baseline_settings import baseline_requested, baseline_settings, refuse_baseline
 from .verl_driver import runtime_env_wrapper
 from .verl_settings import ENV_ENABLE, VerlSettings, config_wrapper, enable_requested, settings
 
@@ -136,7 +145,16 @@ _CONFIG_REIMPORTS = ("verl.utils", "verl.workers.megatron_workers", _ENGINE_WORK
 METRIC_PREFIX = "actor/"
 _ROLLOUT_LOG_PROBS = "rollout_log_probs"
 _ROLLOUT_RESULT = "_ess_patch_rollout_result"  # on the legacy actor: the rollout's result
+_BASELINE_RECORD = "_ess_patch_baseline"  # on the legacy actor: the baseline's record
 _ENGINE_STATE = "_ess_patch_engine_actor"  # on the actor's TrainingWorker during update_actor
+_ENGINE_HAS_NO_BASELINE = (
+    "verl's engine path (ActorRolloutRefWorker.update_actor -> TrainingWorker.train_batch) "
+    "gets advantages with no norm pass"
+)
+_TO_LEGACY = (
+    "On verl v0.7.x train through the legacy Megatron actor (trainer.use_legacy_worker_impl="
+    "auto or enable); verl v0.8.0 and later have no legacy actor"
+)
 
 
 # --- the ESS of one batch ----------------------------------------------------------------------
@@ -290,8 +308,10 @@ def engine_update_actor_wrapper(
     the call (with the rollout's result under granularity "rollout"), attach its engine's
     optimizer; refuse a non-Megatron actor while ESS-LR is on."""
     actor_config = getattr(getattr(instance, "config", None), "actor", None)
-    chosen = None if actor_config is None else settings(actor_config)
     trainer = getattr(instance, "actor", None)
+    if actor_config is not None and trainer is not None:
+        refuse_baseline(actor_config, _ENGINE_HAS_NO_BASELINE, _TO_LEGACY)
+    chosen = None if actor_config is None else settings(actor_config)
     if chosen is None or trainer is None:
         return wrapped(*args, **kwargs)  # off (or not the actor's worker): untouched
     _refuse_other_backends(_strategy(actor_config))
@@ -340,6 +360,12 @@ def tinker_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwar
     if instance is None:
         return wrapped(*args, **kwargs)
     actor_config = getattr(getattr(instance, "config", None), "actor", None)
+    refuse_baseline(
+        actor_config,
+        f"the Tinker worker ({type(instance).__name__}.{wrapped.__name__}) trains the actor "
+        "outside update_actor, with no norm pass",
+        "Train through verl's PPO trainer on the legacy Megatron actor",
+    )
     if settings(actor_config) is not None:
         refuse(
             "verl",
@@ -409,41 +435,75 @@ def minibatch_iterator_wrapper(
 ) -> Any:
     """Granularity "rollout": the ESS over this DP rank's whole chunk (every DP rank), kept on
     the actor for the ``update_policy`` that follows. Granularity "step": the mini-batches
-    keep ``rollout_log_probs`` (each one's ESS needs them), which v0.6's selection drops."""
+    keep ``rollout_log_probs`` (each one's ESS needs them), which v0.6's selection drops.
+    VCPO's baseline (``verl_baseline``): the chunk's advantages rewritten to ``A - b*`` for
+    the mini-batches (the caller's ``data`` keeps its own), the record kept on the actor."""
     if instance is None:
         return wrapped(*args, **kwargs)
     vars(instance).pop(_ROLLOUT_RESULT, None)  # never a previous rollout's
-    chosen = settings(getattr(instance, "config", None))
-    if chosen is None:
+    vars(instance).pop(_BASELINE_RECORD, None)
+    config = getattr(instance, "config", None)
+    baseline = baseline_settings(config)
+    chosen = settings(config)
+    if chosen is None and baseline is None:
         return wrapped(*args, **kwargs)  # off: untouched
     data = _the(bind_method(wrapped, instance, args, kwargs), wrapped, "data")
-    if chosen.config.granularity == "rollout":
+    if chosen is not None and chosen.config.granularity == "rollout":
         vars(instance)[_ROLLOUT_RESULT] = compute_batch(data, chosen.config)
-        return wrapped(*args, **kwargs)
-    with _selection_keeps(data, _ROLLOUT_LOG_PROBS):
+    keys = [] if chosen is None or chosen.config.granularity == "rollout" else [_ROLLOUT_LOG_PROBS]
+    with ExitStack() as stack:
+        if baseline is not None:
+            from .verl_baseline import ROW_KEY
+
+            stack.enter_context(_baseline_rewritten(instance, data, baseline))
+            keys.append(ROW_KEY)
+        stack.enter_context(_selection_keeps(data, *keys))
         return wrapped(*args, **kwargs)
 
 
 @contextmanager
-def _selection_keeps(data: Any, key: str) -> Iterator[None]:
-    """For the call: ``data.select(batch_keys=...)`` keeps ``key`` where ``data`` has it.
+def _baseline_rewritten(instance: Any, data: Any, chosen: Any) -> Iterator[None]:
+    """For the call: ``data``'s advantages rewritten (``verl_baseline.rewrite``, on every DP
+    rank) and its row key added; afterwards ``data`` is as it was, the record on the actor."""
+    from .verl_baseline import ROW_KEY, rewrite
+
+    batch = getattr(data, "batch", None)
+    has = batch is not None and "advantages" in batch.keys()  # noqa: SIM118 - a TensorDict
+    original = batch["advantages"] if has else None
+    record = rewrite(instance, data, chosen, _groups().dp_group)
+    try:
+        yield
+        vars(instance)[_BASELINE_RECORD] = record
+    finally:
+        if original is not None:
+            data.batch["advantages"] = original
+        if ROW_KEY in data.batch.keys():  # noqa: SIM118 - TensorDict refuses `in`
+            del data.batch[ROW_KEY]
+
+
+@contextmanager
+def _selection_keeps(data: Any, *wanted: str) -> Iterator[None]:
+    """For the call: ``data.select(batch_keys=...)`` keeps each key of ``wanted`` that
+    ``data`` has.
 
     verl v0.6.0's ``make_minibatch_iterator`` selects the keys its loss reads and drops
-    ``rollout_log_probs`` (v0.7.0 keeps them itself: then this changes nothing). An extra
-    key in a mini-batch is never read by verl's loss.
+    ``rollout_log_probs`` (v0.7.0 keeps them itself: then this changes nothing); the baseline's
+    row key is ess-patch's own. An extra key in a mini-batch is never read by verl's loss.
     """
     select = getattr(data, "select", None)
     keys = getattr(getattr(data, "batch", None), "keys", None)
-    if select is None or keys is None or key not in keys() or not hasattr(data, "__dict__"):
+    present = [] if keys is None else [k for k in wanted if k in keys()]
+    if select is None or not present or not hasattr(data, "__dict__"):
         yield
         return
 
     def keeping(*args: Any, **kwargs: Any) -> Any:
         call = bind(select, args, kwargs)
         chosen = None if call is None else call.arguments.get("batch_keys")
-        if chosen is None or key in chosen:
+        if chosen is None or all(k in chosen for k in present):
             return select(*args, **kwargs)
-        return call_with(select, call, batch_keys=[*chosen, key])
+        extra = [k for k in present if k not in chosen]
+        return call_with(select, call, batch_keys=[*chosen, *extra])
 
     vars(data)["select"] = keeping  # this object only, for this call
     try:
@@ -452,16 +512,44 @@ def _selection_keeps(data: Any, key: str) -> Iterator[None]:
         vars(data).pop("select", None)
 
 
+def _add_baseline_metrics(metrics: Any, record: dict | None) -> None:
+    """The baseline's metrics, one value per update under ``actor/`` (as verl's own lists)."""
+    if record is None or not isinstance(metrics, dict):
+        return
+    for key, value in record["metrics"].items():
+        metrics.setdefault(METRIC_PREFIX + key, []).append(value)
+
+
 def update_policy_wrapper(
     wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict
 ) -> Any:
     """Compute each mini-batch's ESS as verl draws it (or take the rollout's), arm it for that
-    mini-batch's optimizer step, log it under ``actor/``, and disarm on the way out."""
-    chosen = None if instance is None else settings(getattr(instance, "config", None))
-    if chosen is None:
+    mini-batch's optimizer step, log it under ``actor/``, and disarm on the way out. With the
+    baseline, every mini-batch's advantages are read back before verl trains on it."""
+    if instance is None:
+        return wrapped(*args, **kwargs)
+    config = getattr(instance, "config", None)
+    record = vars(instance).pop(_BASELINE_RECORD, None)
+    if record is None and baseline_settings(config) is not None:
+        raise FailClosedError(
+            "ess-patch (verl): VCPO's baseline was requested but update_policy got a "
+            "dataloader that make_minibatch_iterator did not make, so no advantage was "
+            "rewritten. Build it with actor.make_minibatch_iterator(data) (verl's own workers "
+            "do), or turn the baseline off"
+        )
+    chosen = settings(config)
+    if chosen is None and record is None:
         return wrapped(*args, **kwargs)  # off: no collective, no LR write
     call = bind_method(wrapped, instance, args, kwargs)
     dataloader = _the(call, wrapped, "dataloader")
+    if record is not None:
+        from .verl_baseline import read_back
+
+        dataloader = read_back(dataloader, record, _groups().dp_group)
+    if chosen is None:
+        metrics = call_method(wrapped, call, dataloader=dataloader)
+        _add_baseline_metrics(metrics, record)
+        return metrics
     results: list[tuple[EssLrResult, float | None]] = []
     if chosen.config.granularity == "rollout":
         rollout = vars(instance).pop(_ROLLOUT_RESULT, None)
@@ -482,6 +570,7 @@ def update_policy_wrapper(
     finally:
         _release(optimizer, attached, chosen.enabled)
     _add_metrics(metrics, results, chosen.enabled)
+    _add_baseline_metrics(metrics, record)
     return metrics
 
 
@@ -490,6 +579,14 @@ def fsdp_update_policy_wrapper(
 ) -> Any:
     """verl's FSDP actor (``DataParallelPPOActor.update_policy``, before v0.8.0): refused
     while ESS-LR is on, never a silent no-op."""
+    if instance is not None:
+        strategy = _strategy(getattr(instance, "config", None)) or "fsdp"
+        refuse_baseline(
+            getattr(instance, "config", None),
+            f"verl's FSDP actor (DataParallelPPOActor, strategy {strategy!r}) lends no Megatron "
+            "model to the norm pass",
+            "Use the Megatron actor (actor_rollout_ref.actor.strategy=megatron)",
+        )
     if instance is not None and settings(getattr(instance, "config", None)) is not None:
         _refuse_other_backends(_strategy(getattr(instance, "config", None)) or "fsdp")
     return wrapped(*args, **kwargs)
@@ -550,9 +647,10 @@ class _Gone(_Module):
 
 
 class _VerlHistory(History):
-    """verl's shapes; a verl that fits none while ``ESS_LR_ENABLE`` is on in this process is
-    refused with :class:`FailClosedError`, which fails the host's import (the run stops)
-    instead of rolling verl back and training the policy at the scheduled LR."""
+    """verl's shapes; a verl that fits none while ``ESS_LR_ENABLE`` (or ``ESS_LR_BASELINE*``)
+    is on in this process is refused with :class:`FailClosedError`, which fails the host's
+    import (the run stops) instead of rolling verl back and training the policy at the
+    scheduled LR (or with the group mean)."""
 
     def choose(self, name: str) -> Shape:
         try:
@@ -560,19 +658,26 @@ class _VerlHistory(History):
         except FailClosedError:
             raise
         except MissingTargetError as exc:
-            if not enable_requested():
-                raise
-            if allow_unscaled():  # the explicit opt-out: roll verl back, logged as such
-                logger.warning(
-                    "ess-patch (verl, opt-out ESS_PATCH_ALLOW_UNSCALED): going on unscaled: %s",
-                    exc,
-                )
-                raise
-            raise FailClosedError(
-                f"{exc}. {ENV_ENABLE} is on in this process, so the run stops here rather "
-                f"than train the policy at the scheduled LR (unset {ENV_ENABLE} to run verl "
-                "without ESS-LR)"
-            ) from exc
+            baseline = baseline_requested()  # ESS_LR_BASELINE* (VCPO's key is read later)
+            if enable_requested():
+                if allow_unscaled() and not baseline:  # the opt-out: roll back, logged
+                    logger.warning(
+                        "ess-patch (verl, opt-out ESS_PATCH_ALLOW_UNSCALED): going on unscaled: %s",
+                        exc,
+                    )
+                    raise
+                raise FailClosedError(
+                    f"{exc}. {ENV_ENABLE} is on in this process, so the run stops here rather "
+                    f"than train the policy at the scheduled LR (unset {ENV_ENABLE} to run "
+                    "verl without ESS-LR)"
+                ) from exc
+            if baseline:  # no opt-out: ESS_PATCH_ALLOW_UNSCALED is about the LR
+                raise FailClosedError(
+                    f"{exc}. VCPO's baseline is requested in this process ({ENV_BASELINE} or "
+                    f"{ENV_BASELINE_SHADOW}), so the run stops here rather than train with the "
+                    f"group mean (unset them to run verl without the baseline)"
+                ) from exc
+            raise
 
 
 _ENGINE_FEATURES = (

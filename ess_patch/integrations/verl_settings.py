@@ -14,6 +14,7 @@ from ..config import EssLrConfig
 from ..errors import EssPatchValueError
 from ..state import STATE
 from .binding import bind, call_with
+from .verl_baseline_settings import baseline_node
 
 __all__ = [
     "VCPO_KEYS",
@@ -152,39 +153,53 @@ def settings(actor_config: Any, environ: Mapping[str, str] | None = None) -> Ver
 # --- VCPO's config keys ------------------------------------------------------------------------
 
 
+#: the actor-config nodes of VCPO's fork that verl's own dataclass lacks: ``ess_scaling``
+#: (ESS-LR) and ``grad_baselining`` (the baseline, ``verl_baseline_settings``)
+VCPO_NODES = ("ess_scaling", "grad_baselining")
+
+
 def config_wrapper(wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``omega_conf_to_dataclass(config, ...)``: VCPO's ``ess_scaling`` node is taken out of the
-    actor's node before verl checks it against its dataclass (unknown keys fail there), then
-    put back, and set on the dataclass as the attribute ``ess_scaling`` (a plain dict)."""
+    """``omega_conf_to_dataclass(config, ...)``: VCPO's ``ess_scaling`` and ``grad_baselining``
+    nodes are taken out of the actor's node before verl checks it against its dataclass
+    (unknown keys fail there), then put back, and set on the dataclass as attributes of the
+    same names (plain dicts)."""
     call = bind(wrapped, args, kwargs)
     node = None if call is None else call.arguments.get("config")
-    if not isinstance(node, Mapping) or "ess_scaling" not in node:
+    if not isinstance(node, Mapping):
         return wrapped(*args, **kwargs)
-    scaling = vcpo_scaling(node)
-    out = _without_key(wrapped, call, node)
-    try:
-        object.__setattr__(out, "ess_scaling", scaling)
-    except (AttributeError, TypeError):  # a slotted or builtin result: nothing to carry it
-        logger.warning("ess-patch (verl): cannot keep ess_scaling on %s", type(out).__name__)
+    present = [key for key in VCPO_NODES if key in node]
+    if not present:
+        return wrapped(*args, **kwargs)
+    carried: dict[str, Any] = {}
+    if "ess_scaling" in present:
+        carried["ess_scaling"] = vcpo_scaling(node)
+    if "grad_baselining" in present:
+        carried["grad_baselining"] = baseline_node(node)
+    out = _without_keys(wrapped, call, node, present)
+    for key, value in carried.items():
+        try:
+            object.__setattr__(out, key, value)
+        except (AttributeError, TypeError):  # a slotted or builtin result: nothing to carry it
+            logger.warning("ess-patch (verl): cannot keep %s on %s", key, type(out).__name__)
     return out
 
 
-def _without_key(wrapped: Callable[..., Any], call: Any, node: Any) -> Any:
-    """Call with ``node`` lacking ``ess_scaling``; a DictConfig is changed in place (so that
-    its interpolations still resolve against its root) and always restored."""
+def _without_keys(wrapped: Callable[..., Any], call: Any, node: Any, keys: list[str]) -> Any:
+    """Call with ``node`` lacking ``keys``; a DictConfig is changed in place (so that its
+    interpolations still resolve against its root) and always restored."""
     try:
         from omegaconf import DictConfig, open_dict
     except ImportError:  # pragma: no cover - verl depends on omegaconf
         DictConfig = ()  # type: ignore[assignment]
     if not isinstance(node, DictConfig):
-        return call_with(
-            wrapped, call, config={k: v for k, v in node.items() if k != "ess_scaling"}
-        )
-    saved = node._get_node("ess_scaling")
+        return call_with(wrapped, call, config={k: v for k, v in node.items() if k not in keys})
+    saved = {key: node._get_node(key) for key in keys}
     with open_dict(node):
-        del node["ess_scaling"]
+        for key in keys:
+            del node[key]
     try:
         return call_with(wrapped, call, config=node)
     finally:
         with open_dict(node):
-            node["ess_scaling"] = saved
+            for key, value in saved.items():
+                node[key] = value

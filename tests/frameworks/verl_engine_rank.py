@@ -224,6 +224,7 @@ def run(src: str, scenario: dict) -> dict:
             child.optimizer.register_step_pre_hook(step_ids)
         out["scheduled"] = [g["lr"] for g in actor_setup.optimizer.param_groups]
         out["scheduled_each"] = []
+        out["params_before"] = [p.detach().clone() for p in actor_setup.models[0].parameters()]
         try:
             output = worker.update_actor(_data(scenario, dp_rank, dp_size))
             out["metrics"] = dict(tu.get(output, "metrics")) if output is not None else None

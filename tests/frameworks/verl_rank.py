@@ -227,12 +227,17 @@ def run(src: str, scenario: dict) -> dict:
         _lr_recorder(actor_setup.optimizer, applied)
         out["scheduled"] = [g["lr"] for g in actor_setup.optimizer.param_groups]
         out["config_type"] = type(actor.config).__name__
+        before = [p.detach().clone() for p in actor_setup.models[0].parameters()]
         try:
             loader = actor.make_minibatch_iterator(_local(scenario, dp_rank, dp_size))
             out["metrics"] = actor.update_policy(dataloader=loader)
         except Exception as exc:  # reported, not raised: the test compares every rank's error
             out["error"] = f"{type(exc).__name__}: {exc}"
         out.update(seen=seen, applied=applied)
+        out["params_unchanged"] = all(
+            torch.equal(a, b.detach())
+            for a, b in zip(before, actor_setup.models[0].parameters(), strict=True)
+        )
         out["after"] = [g["lr"] for g in actor_setup.optimizer.param_groups]
         out["armed_after"] = ess_patch.armed()
 
@@ -464,7 +469,7 @@ def engine_missing_probe(src: str) -> dict:
     return out
 
 
-def neither_probe(tree: str, enable: str = "") -> dict:
+def neither_probe(tree: str, enable: str = "", baseline: str = "") -> dict:
     """A verl with neither the engine path nor the legacy actor (``tree``: a copy without
     them), imported after install(): what is logged and recorded, what stays patched, and
     what the import of ``verl.workers`` raised (with ``ESS_LR_ENABLE=enable``); then VCPO's
@@ -474,6 +479,8 @@ def neither_probe(tree: str, enable: str = "") -> dict:
 
     if enable:
         os.environ["ESS_LR_ENABLE"] = enable
+    if baseline:  # VCPO's baseline asked for by the environment (test_verl_baseline.py)
+        os.environ["ESS_LR_BASELINE"] = baseline
     _import_verl(tree)
     import ess_patch
     from ess_patch.install import failed_integrations, installed_targets
