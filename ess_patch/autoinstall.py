@@ -30,7 +30,7 @@ import os
 
 from .guard import AUTO_INSTALL as ENV
 from .guard import auto_install_requested as requested
-from .integrations.verl_settings import ENV_ENABLE, enable_requested
+from .integrations.verl.config import ENV_ENABLE, enable_requested
 
 __all__ = ["ENV", "FLAGS", "megatron_init", "requested", "requested_by_argv", "run"]
 

@@ -28,7 +28,7 @@ from test_verl import (
 )
 
 from ess_patch.errors import EssPatchValueError
-from ess_patch.integrations.verl_baseline_settings import baseline_settings
+from ess_patch.integrations.verl.baseline_config import baseline_settings
 
 HERE = Path(__file__).resolve().parent
 needs_verl = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")

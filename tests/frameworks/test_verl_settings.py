@@ -1,4 +1,4 @@
-"""``ess_patch.integrations.verl.settings``: how ESS_LR_* and VCPO's ``actor.ess_scaling``
+"""``ess_patch.integrations.verl.config``: how ESS_LR_* and VCPO's ``actor.ess_scaling``
 combine (no verl needed; the config node is a plain mapping or an OmegaConf DictConfig)."""
 
 from __future__ import annotations

@@ -34,15 +34,15 @@ path.
   rollout) ESS, armed for each ``actor_optimizer.step()`` as ``update_policy`` draws the
   mini-batches, metrics as ``actor/...`` lists.
 - VCPO's baseline (``ESS_LR_BASELINE*`` or VCPO's ``actor.grad_baselining``, with or without
-  ESS-LR; ``verl_baseline_settings.py``): ``make_minibatch_iterator`` rewrites the chunk's
-  GRPO advantages to ``A - b*`` for the mini-batches (``verl_baseline.py``: the norm pass on
+  ESS-LR; ``verl/baseline_config.py``): ``make_minibatch_iterator`` rewrites the chunk's
+  GRPO advantages to ``A - b*`` for the mini-batches (``verl/baseline.py``: the norm pass on
   ``actor_module``, groups from ``uid`` reduced over DP), ``update_policy`` reads each
   mini-batch back before verl trains on it and logs ``actor/ess_baseline_*``. The engine
   path's ``update_actor``, the FSDP actor and the Tinker worker refuse it by name.
 - ``forward_backward`` / ``optimizer_step`` of main's Tinker worker: refused while ESS-LR is
   on (they step the actor outside ``update_actor`` / ``train_batch``), before any gradient.
 - ``get_ppo_ray_runtime_env`` (the driver, before ``ray.init``): every Ray actor's environment
-  gets the auto-install and the driver's ``ESS_LR_*`` (``verl_driver.py``), so a driver that
+  gets the auto-install and the driver's ``ESS_LR_*`` (``verl/driver.py``), so a driver that
   runs ess-patch never starts workers that train unscaled.
 - ``omega_conf_to_dataclass``: VCPO's ``actor.ess_scaling`` node taken out before verl checks
   the actor config against its dataclass (unknown keys fail there), kept on the dataclass.
@@ -79,7 +79,7 @@ supported releases (``failed_integrations()``; ``doctor`` reports it as a proble
 The "engine" and "actor" aspects check the hooked methods' parameters when their modules are
 imported, so a verl that renamed them is refused by name instead of silently unscaled.
 
-Settings, per update (``verl_settings.settings``): on with ``ESS_LR_ENABLE=1`` or
+Settings, per update (``verl.config.settings``): on with ``ESS_LR_ENABLE=1`` or
 ``actor.ess_scaling.enable``; the rest from ``ESS_LR_*`` (``EssLrConfig.from_env`` via
 ``install()``), VCPO's keys winning for the fields they name.
 """
@@ -92,22 +92,22 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from .. import collapse_warning
-from ..config import EssLrConfig
-from ..errors import EssPatchValueError, FailClosedNotImplementedError
-from ..guard import allow_unscaled, applied_scale, arm, refuse
-from ..patching import FailClosedError, MissingTargetError, Target
-from ..result import EssLrResult
-from ..state import disarm
-from . import Integration
-from .baseline_flags import ENV_ON as ENV_BASELINE
-from .baseline_flags import ENV_SHADOW as ENV_BASELINE_SHADOW
-from .binding import bind, bind_method, call_method, call_with, undecorated
-from .rl_hooks import Groups, applied_metrics, megatron_groups, result_metrics
-from .shapes import Aspect, Feature, History, Shape
-from .verl_baseline_settings import baseline_requested, baseline_settings, refuse_baseline
-from .verl_driver import runtime_env_wrapper
-from .verl_settings import ENV_ENABLE, VerlSettings, config_wrapper, enable_requested, settings
+from ... import collapse_warning
+from ...config import EssLrConfig
+from ...errors import EssPatchValueError, FailClosedNotImplementedError
+from ...guard import allow_unscaled, applied_scale, arm, refuse
+from ...patching import FailClosedError, MissingTargetError, Target
+from ...result import EssLrResult
+from ...state import disarm
+from .. import Integration
+from ..baseline_flags import ENV_ON as ENV_BASELINE
+from ..baseline_flags import ENV_SHADOW as ENV_BASELINE_SHADOW
+from ..binding import bind, bind_method, call_method, call_with, undecorated
+from ..rl_hooks import Groups, applied_metrics, megatron_groups, result_metrics
+from ..shapes import Aspect, Feature, History, Shape
+from .baseline_config import baseline_requested, baseline_settings, refuse_baseline
+from .config import ENV_ENABLE, VerlSettings, config_wrapper, enable_requested, settings
+from .driver import runtime_env_wrapper
 
 __all__ = [
     "VERL",
@@ -219,8 +219,8 @@ def _check_not_bypassed(old: list[Any], rollout: list[Any], mask: list[Any]) -> 
 def compute_batch(data: Any, config: EssLrConfig, groups: Groups | None = None) -> EssLrResult:
     """The ESS of one batch (a mini-batch, or the whole rollout chunk) over every DP rank,
     identical on every rank of the actor; a fault on any rank raises on all of them."""
-    from ..compute import compute_ess_lr
-    from ..reduction import broadcast_from_last_stage
+    from ...compute import compute_ess_lr
+    from ...reduction import broadcast_from_last_stage
 
     groups = _groups() if groups is None else groups
     out: EssLrResult | None = None
@@ -261,8 +261,8 @@ def _the(call: Any, wrapped: Any, name: str) -> Any:
 def _attach(optimizer: Any) -> bool:
     """Make the actor's optimizer apply the armed scale even without ``install("megatron")``
     (with it, the nested wrappers still scale each update once). Returns whether we did."""
-    from ..attach import attach
-    from ..patching import is_ours
+    from ...attach import attach
+    from ...patching import is_ours
 
     if optimizer is None or is_ours(vars(optimizer).get("step")):
         return False
@@ -276,7 +276,7 @@ def _release(optimizer: Any, attached: bool, enabled: bool) -> None:
     if enabled:
         disarm()
     if attached:
-        from ..attach import detach
+        from ...attach import detach
 
         detach(optimizer)
 
@@ -436,7 +436,7 @@ def minibatch_iterator_wrapper(
     """Granularity "rollout": the ESS over this DP rank's whole chunk (every DP rank), kept on
     the actor for the ``update_policy`` that follows. Granularity "step": the mini-batches
     keep ``rollout_log_probs`` (each one's ESS needs them), which v0.6's selection drops.
-    VCPO's baseline (``verl_baseline``): the chunk's advantages rewritten to ``A - b*`` for
+    VCPO's baseline (``verl.baseline``): the chunk's advantages rewritten to ``A - b*`` for
     the mini-batches (the caller's ``data`` keeps its own), the record kept on the actor."""
     if instance is None:
         return wrapped(*args, **kwargs)
@@ -453,7 +453,7 @@ def minibatch_iterator_wrapper(
     keys = [] if chosen is None or chosen.config.granularity == "rollout" else [_ROLLOUT_LOG_PROBS]
     with ExitStack() as stack:
         if baseline is not None:
-            from .verl_baseline import ROW_KEY
+            from .baseline import ROW_KEY
 
             stack.enter_context(_baseline_rewritten(instance, data, baseline))
             keys.append(ROW_KEY)
@@ -463,9 +463,9 @@ def minibatch_iterator_wrapper(
 
 @contextmanager
 def _baseline_rewritten(instance: Any, data: Any, chosen: Any) -> Iterator[None]:
-    """For the call: ``data``'s advantages rewritten (``verl_baseline.rewrite``, on every DP
+    """For the call: ``data``'s advantages rewritten (``verl.baseline.rewrite``, on every DP
     rank) and its row key added; afterwards ``data`` is as it was, the record on the actor."""
-    from .verl_baseline import ROW_KEY, rewrite
+    from .baseline import ROW_KEY, rewrite
 
     batch = getattr(data, "batch", None)
     has = batch is not None and "advantages" in batch.keys()  # noqa: SIM118 - a TensorDict
@@ -543,7 +543,7 @@ def update_policy_wrapper(
     call = bind_method(wrapped, instance, args, kwargs)
     dataloader = _the(call, wrapped, "dataloader")
     if record is not None:
-        from .verl_baseline import read_back
+        from .baseline import read_back
 
         dataloader = read_back(dataloader, record, _groups().dp_group)
     if chosen is None:

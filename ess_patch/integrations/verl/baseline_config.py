@@ -6,7 +6,7 @@ Two ways to ask, either one enough (verl has no argument parser to add a flag to
 - the environment, as in miles and slime: ``ESS_LR_BASELINE=1`` (apply),
   ``ESS_LR_BASELINE_SHADOW=1`` (compute and log only), ``ESS_LR_BASELINE_PATH`` (``rules``,
   ``exact`` or ``proxy``); verl's driver hands every ``ESS_LR_*`` to its Ray actors
-  (``verl_driver.worker_env``);
+  (``verl.driver.worker_env``);
 - VCPO's own actor key ``actor.grad_baselining`` (mit-han-lab/vcpo ``GradBaselineConfig``,
   beside its ``ess_scaling``): ``enable``, and ess-patch's ``shadow`` and ``path``. VCPO's other
   keys are taken where ess-patch does what they ask (``scope: group``, ``agg_mode: mean``,
@@ -24,8 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import EssPatchValueError, FailClosedNotImplementedError
-from .baseline_flags import ENV_ON, ENV_PATH, ENV_SHADOW, PATHS, baseline_mode, baseline_path
+from ...errors import EssPatchValueError, FailClosedNotImplementedError
+from ..baseline_flags import ENV_ON, ENV_PATH, ENV_SHADOW, PATHS, baseline_mode, baseline_path
 
 __all__ = [
     "BASELINE_KEY",

@@ -45,13 +45,13 @@ from typing import Any
 
 import torch
 
-from ..errors import FailClosedNotImplementedError
-from ..group_baseline import dp_min_variance_baseline
-from ..guard import EssLrNotAppliedError
-from ..reduction import all_reduce_sum, group_size
-from ..state import STATE
-from .baseline_hook import check_applied, rewrite_rewards
-from .verl_baseline_settings import SUPPORTED_BASELINE, BaselineSettings
+from ...errors import FailClosedNotImplementedError
+from ...group_baseline import dp_min_variance_baseline
+from ...guard import EssLrNotAppliedError
+from ...reduction import all_reduce_sum, group_size
+from ...state import STATE
+from ..baseline_hook import check_applied, rewrite_rewards
+from .baseline_config import SUPPORTED_BASELINE, BaselineSettings
 
 __all__ = ["ROW_KEY", "read_back", "rewrite"]
 
