@@ -32,6 +32,10 @@ and one over PP of each rank's envelope and result), so that a fault on any rank
 all of them, and CP peers or PP stages that computed different results (rows that were not
 whole) are an error too. Shadow mode (``--ess-lr-shadow`` / ``ESS_LR_SHADOW``) runs the same
 hooks and collectives but keeps the result for the logs only (``ess_lr_shadow_scale``).
+
+VCPO's baseline (``--use-ess-baseline`` / ``--ess-baseline-shadow``, ``ESS_LR_BASELINE`` /
+``ESS_LR_BASELINE_SHADOW``) is refused at parse time in a Megatron-RL run, by name
+(:func:`validate_megatron_rl_baseline`): nothing here replaces GRPO's group mean yet.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from ..guard import refuse
 from ..patching import MissingTargetError, Target
 from ..state import STATE, armed, disarm
 from . import Integration
+from .baseline_flags import ENV_ON, ENV_SHADOW, baseline_mode
 from .binding import bind
 from .rl_hooks import (
     Framework,
@@ -527,6 +532,34 @@ def log_metrics_wrapper(
     return out
 
 
+def validate_megatron_rl_baseline(parsed: Any) -> None:
+    """Refuse, at parse time, a Megatron-RL run that asks for VCPO's baseline
+    (``--use-ess-baseline`` / ``--ess-baseline-shadow`` or ``ESS_LR_BASELINE`` /
+    ``ESS_LR_BASELINE_SHADOW``): nothing in this integration replaces the group mean of
+    GRPO's advantage yet, so the run would train with the group mean believing otherwise.
+
+    Raises:
+        EssPatchValueError: the baseline is requested (or its variables are malformed).
+    """
+    mode = baseline_mode(parsed)
+    if mode is None:
+        return
+    setting = (
+        ("--use-ess-baseline" if getattr(parsed, "use_ess_baseline", None) else ENV_ON)
+        if mode == "on"
+        else (
+            "--ess-baseline-shadow" if getattr(parsed, "ess_baseline_shadow", None) else ENV_SHADOW
+        )
+    )
+    raise EssPatchValueError(
+        f"ess-patch ({NAME}): {setting} asks for VCPO's minimum-variance baseline, which "
+        "Megatron-RL (train_rl.py, --perform-rl-step) does not support in this ess-patch: "
+        "the GRPO advantages would keep the group mean. Supported: miles and slime "
+        "(--use-ess-baseline there); ESS-LR (--use-ess-lr) works in Megatron-RL. Drop "
+        f"{setting} (unset {ENV_ON} / {ENV_SHADOW})"
+    )
+
+
 def parse_args_wrapper(
     wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict
 ) -> Any:
@@ -561,6 +594,7 @@ def parse_args_wrapper(
     requested = getattr(parsed, "use_ess_lr", False) or shadow_requested(parsed)
     if getattr(parsed, "perform_rl_step", False):
         validate(MEGATRON_RL_FRAMEWORK, parsed)
+        validate_megatron_rl_baseline(parsed)
         if requested:  # decided afresh for this run: an unknown tree fails here, not later
             MEGATRON_RL_HISTORY.clear()
             MEGATRON_RL_HISTORY.choose_all()
@@ -571,6 +605,14 @@ def parse_args_wrapper(
             "integrates with (miles, slime) declared the flag: nothing would measure the ESS. "
             "Add --perform-rl-step for Megatron-RL (train_rl.py), or launch through miles / "
             f"slime with ess_patch.install() ({NAME})"
+        )
+    elif host_flags and not host_flags[0] and baseline_mode(parsed) is not None:
+        raise EssPatchValueError(
+            "--use-ess-baseline (or --ess-baseline-shadow, ESS_LR_BASELINE*) was given to "
+            "Megatron's parse_args, but this is not a Megatron-RL run (no --perform-rl-step) "
+            "and no RL framework that ess-patch integrates with (miles, slime) declared the "
+            "flag: no advantage would take the baseline. Launch through miles / slime with "
+            f"ess_patch.install(), or drop the setting ({NAME})"
         )
     return parsed
 

@@ -47,6 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the 
 from harness import layout, run_ranks
 from reference import reference_ess
 
+from ess_patch.errors import EssPatchValueError
+
 SRC = os.environ.get("MEGATRON_RL_SRC")
 
 
@@ -617,6 +619,71 @@ def test_use_ess_lr_on_a_plain_megatron_parse_is_refused(installed):
         _parse(["--ess-lr-shadow"], rl=False)
     plain = _parse([], rl=False)  # off: a plain pretraining parse is untouched
     assert plain.use_ess_lr is False and not plain.perform_rl_step
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "setting"),
+    [
+        (["--use-ess-baseline"], {}, "--use-ess-baseline"),
+        (["--ess-baseline-shadow"], {}, "--ess-baseline-shadow"),
+        ([], {"ESS_LR_BASELINE": "1"}, "ESS_LR_BASELINE"),
+        ([], {"ESS_LR_BASELINE_SHADOW": "yes"}, "ESS_LR_BASELINE_SHADOW"),
+        (["--use-ess-lr", "--use-ess-baseline"], {}, "--use-ess-baseline"),
+    ],
+)
+def test_the_baseline_in_a_megatron_rl_run_is_refused_at_parse_time(
+    installed, monkeypatch, argv, env, setting
+):
+    """VCPO's baseline is not served in Megatron-RL: asked for by flag or variable, with or
+    without ESS-LR, the real parse stops, naming Megatron-RL, the setting and what works."""
+    for key in ("ESS_LR_BASELINE", "ESS_LR_BASELINE_SHADOW", "ESS_LR_BASELINE_PATH"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(EssPatchValueError) as info:
+        _parse([*argv, "--rl-inference-logprobs-is-correction"])
+    message = str(info.value)
+    assert "megatron_rl" in message and "Megatron-RL" in message
+    assert setting in message and "Supported: miles and slime" in message
+    # a plain Megatron parse (no --perform-rl-step, no framework declaring it) is refused too
+    with pytest.raises(EssPatchValueError, match=r"not a Megatron-RL run"):
+        _parse(argv, rl=False)
+
+
+def test_the_baseline_off_parses_as_before(installed, monkeypatch):
+    """Off (not given, ``--no-use-ess-baseline``, ``ESS_LR_BASELINE=0``) nothing is refused
+    and ESS-LR parses as it did."""
+    monkeypatch.setenv("ESS_LR_BASELINE", "0")
+    monkeypatch.delenv("ESS_LR_BASELINE_SHADOW", raising=False)
+    args = _parse(["--use-ess-lr", "--rl-inference-logprobs-is-correction"])
+    assert args.use_ess_lr and args.use_ess_baseline is None
+    off = _parse(["--no-use-ess-baseline", "--rl-inference-logprobs-is-correction"])
+    assert off.use_ess_baseline is False and off.use_ess_lr is False
+    monkeypatch.setenv("ESS_LR_BASELINE", "maybe")  # malformed: refused by name, not ignored
+    with pytest.raises(EssPatchValueError, match=r"ESS_LR_BASELINE='maybe'"):
+        _parse([])
+
+
+@pytest.mark.skipif(VENDORED, reason="a patched tree always has the flags (vendored mode)")
+def test_installed_parse_without_the_baseline_equals_the_uninstalled_one(monkeypatch):
+    """Installed, a Megatron-RL parse that does not ask for the baseline holds the same values
+    as the unpatched parser's, plus ess-patch's own settings left unset."""
+    import ess_patch
+
+    for key in ("ESS_LR_BASELINE", "ESS_LR_BASELINE_SHADOW", "ESS_LR_BASELINE_PATH"):
+        monkeypatch.delenv(key, raising=False)
+    argv = ["--rl-inference-logprobs-is-correction"]
+    plain = _parse(argv)
+    _install()
+    try:
+        patched = _parse(argv)
+    finally:
+        ess_patch.uninstall()
+    ours = {k for k in vars(patched) if k == "use_ess_lr" or k.startswith("ess_lr_")}
+    baseline = {"use_ess_baseline", "ess_baseline_shadow", "ess_baseline_path"}
+    assert {k: getattr(patched, k) for k in baseline} == dict.fromkeys(baseline)
+    after = {k: repr(v) for k, v in vars(patched).items() if k not in ours | baseline}
+    assert after == {k: repr(v) for k, v in vars(plain).items()}
 
 
 @pytest.mark.skipif(VENDORED, reason="a patched tree always has the flags (vendored mode)")
