@@ -92,7 +92,7 @@ def _install() -> None:
 
     seen = 0
     for target in INTEGRATIONS["megatron_rl"].targets:
-        if target.module not in sys.modules:
+        if target.module not in sys.modules or not target.vendored:  # install()-only targets
             continue
         value = vars(importlib.import_module(target.module)).get(target.attribute)
         assert is_vendored(value), f"{target.path} is not patched (vendored mode)"
@@ -621,6 +621,23 @@ def test_use_ess_lr_on_a_plain_megatron_parse_is_refused(installed):
     assert plain.use_ess_lr is False and not plain.perform_rl_step
 
 
+#: The trees VCPO's baseline serves (calculate_grpo_advantages(rewards, num_turns) to hook);
+#: radixark's miles-main fork computes the advantages inline and is refused by name.
+BASELINE_TREE = (
+    SRC is not None
+    and (Path(SRC) / "megatron" / "rl" / "rl_utils.py").is_file()
+    and (
+        "def calculate_grpo_advantages("
+        in (Path(SRC) / "megatron" / "rl" / "rl_utils.py").read_text()
+    )
+)
+
+
+def _no_baseline_env(monkeypatch) -> None:
+    for key in ("ESS_LR_BASELINE", "ESS_LR_BASELINE_SHADOW", "ESS_LR_BASELINE_PATH"):
+        monkeypatch.delenv(key, raising=False)
+
+
 @pytest.mark.parametrize(
     ("argv", "env", "setting"),
     [
@@ -631,30 +648,55 @@ def test_use_ess_lr_on_a_plain_megatron_parse_is_refused(installed):
         (["--use-ess-lr", "--use-ess-baseline"], {}, "--use-ess-baseline"),
     ],
 )
-def test_the_baseline_in_a_megatron_rl_run_is_refused_at_parse_time(
-    installed, monkeypatch, argv, env, setting
-):
-    """VCPO's baseline is not served in Megatron-RL: asked for by flag or variable, with or
-    without ESS-LR, the real parse stops, naming Megatron-RL, the setting and what works."""
-    for key in ("ESS_LR_BASELINE", "ESS_LR_BASELINE_SHADOW", "ESS_LR_BASELINE_PATH"):
-        monkeypatch.delenv(key, raising=False)
+def test_the_baseline_is_parsed_or_refused_by_name(installed, monkeypatch, argv, env, setting):
+    """Asked for by flag or variable, with or without ESS-LR: a tree with Megatron-RL's
+    advantage routine parses it; the fork (advantages inline) stops at parse time, naming
+    Megatron-RL, the setting, the tree and what is supported. A plain Megatron parse (no
+    --perform-rl-step, no framework declaring it) is refused either way."""
+    from ess_patch.integrations.baseline_flags import baseline_mode
+
+    _no_baseline_env(monkeypatch)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    with pytest.raises(EssPatchValueError) as info:
-        _parse([*argv, "--rl-inference-logprobs-is-correction"])
-    message = str(info.value)
-    assert "megatron_rl" in message and "Megatron-RL" in message
-    assert setting in message and "Supported: miles and slime" in message
-    # a plain Megatron parse (no --perform-rl-step, no framework declaring it) is refused too
+    full = [*argv, "--rl-inference-logprobs-is-correction", "--grpo-group-size", "4"]
+    if BASELINE_TREE:
+        args = _parse(full)
+        assert baseline_mode(args) == ("shadow" if "SHADOW" in setting.upper() else "on")
+    else:
+        with pytest.raises(EssPatchValueError) as info:
+            _parse(full)
+        message = str(info.value)
+        assert "megatron_rl" in message and "Megatron-RL" in message
+        assert setting in message and "calculate_grpo_advantages" in message
+        assert "Supported: Megatron-LM core_v0.16.1 to core_v0.18.2" in message
     with pytest.raises(EssPatchValueError, match=r"not a Megatron-RL run"):
         _parse(argv, rl=False)
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2"),
+        (["--context-parallel-size", "2"], "--context-parallel-size 2"),
+        (["--grpo-group-size", "1"], "--grpo-group-size 1"),
+        (["--ess-baseline-path", "exact", "--ess-baseline-shadow"], "both on"),
+    ],
+)
+def test_the_baseline_refuses_what_it_cannot_serve_at_parse_time(
+    installed, monkeypatch, argv, match
+):
+    _no_baseline_env(monkeypatch)
+    base = ["--use-ess-baseline", "--rl-inference-logprobs-is-correction", "--grpo-group-size", "4"]
+    with pytest.raises(EssPatchValueError, match=match) as info:
+        _parse([*base, *argv])
+    assert match == "both on" or "ess-patch (megatron_rl)" in str(info.value)
 
 
 def test_the_baseline_off_parses_as_before(installed, monkeypatch):
     """Off (not given, ``--no-use-ess-baseline``, ``ESS_LR_BASELINE=0``) nothing is refused
     and ESS-LR parses as it did."""
+    _no_baseline_env(monkeypatch)
     monkeypatch.setenv("ESS_LR_BASELINE", "0")
-    monkeypatch.delenv("ESS_LR_BASELINE_SHADOW", raising=False)
     args = _parse(["--use-ess-lr", "--rl-inference-logprobs-is-correction"])
     assert args.use_ess_lr and args.use_ess_baseline is None
     off = _parse(["--no-use-ess-baseline", "--rl-inference-logprobs-is-correction"])
@@ -670,8 +712,7 @@ def test_installed_parse_without_the_baseline_equals_the_uninstalled_one(monkeyp
     as the unpatched parser's, plus ess-patch's own settings left unset."""
     import ess_patch
 
-    for key in ("ESS_LR_BASELINE", "ESS_LR_BASELINE_SHADOW", "ESS_LR_BASELINE_PATH"):
-        monkeypatch.delenv(key, raising=False)
+    _no_baseline_env(monkeypatch)
     argv = ["--rl-inference-logprobs-is-correction"]
     plain = _parse(argv)
     _install()
