@@ -95,15 +95,26 @@ def _model():
 class _Float32Module(torch.nn.Module):
     """What Megatron's ``Float16Module`` is to a bf16 run, in float32 (which it refuses): the
     wrapper that takes ``fp32_output`` (Megatron-RL's ``get_logprobs`` passes it) and holds the
-    model as ``.module`` (``get_attr_wrapped_model`` unwraps it)."""
+    model as ``.module`` (``get_attr_wrapped_model`` unwraps it). A packed bin (THD with
+    ``cu_seqlens``) needs Transformer Engine's attention, CUDA-only; here each ``cu_seqlens``
+    segment runs on its own, which is what that attention computes."""
 
     def __init__(self, module: torch.nn.Module):
         super().__init__()
         self.module = module
         self.config = module.config
 
-    def forward(self, *args, fp32_output: bool = True, **kwargs):
-        return self.module(*args, **kwargs)
+    def forward(self, tokens, position_ids, attention_mask, *, fp32_output=True, **kwargs):
+        packed = kwargs.pop("packed_seq_params", None)
+        if packed is None:
+            return self.module(tokens, position_ids, attention_mask, **kwargs)
+        cu = [int(c) for c in packed.cu_seqlens_q]
+        pieces = [
+            self.module(tokens[:, a:b], position_ids[:, a:b], None, **kwargs)
+            for a, b in zip(cu, cu[1:])
+            if b > a
+        ]
+        return torch.cat(pieces, dim=1)
 
 
 def _samples(seed: int = 0) -> list[dict]:
@@ -239,8 +250,12 @@ def rank_prepare(packing: bool = False) -> dict:
     share = G * N // dp
     batches = share // 2  # micro-batches of 2 per rank (unpacked)
 
+    from megatron.core import num_microbatches_calculator as calculator
+
     def run(mode, path=None):
         global_vars._GLOBAL_ARGS = _host(mode, path, packing)
+        calculator.destroy_num_microbatches_calculator()  # as pretrain sets it up, each run
+        calculator.init_num_microbatches_calculator(0, None, G * N, 2, dp, False)
         with megatron_on_cpu():
             it = _prepare(
                 rl_utils,
