@@ -21,6 +21,7 @@ yields is bit-identical to the unpatched function's. A tree without ``calculate_
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -92,6 +93,19 @@ def _model():
     )
 
 
+class _Writer:
+    """A tensorboard writer's ``add_scalar``, kept in memory (inside gloo ranks)."""
+
+    def __init__(self):
+        self.scalars: dict[str, float] = {}
+
+    def add_scalar(self, key, value, step):
+        self.scalars[key] = value
+
+    def __getattr__(self, name):  # upstream's other tensorboard calls: histograms, text
+        return lambda *_a, **_k: None
+
+
 class _Float32Module(torch.nn.Module):
     """What Megatron's ``Float16Module`` is to a bf16 run, in float32 (which it refuses): the
     wrapper that takes ``fp32_output`` (Megatron-RL's ``get_logprobs`` passes it) and holds the
@@ -111,7 +125,7 @@ class _Float32Module(torch.nn.Module):
         cu = [int(c) for c in packed.cu_seqlens_q]
         pieces = [
             self.module(tokens[:, a:b], position_ids[:, a:b], None, **kwargs)
-            for a, b in zip(cu, cu[1:])
+            for a, b in itertools.pairwise(cu)
             if b > a
         ]
         return torch.cat(pieces, dim=1)
@@ -137,7 +151,9 @@ def _rollouts(samples: list[dict]) -> list:
     from megatron.rl.agent.api import TokenRollout
 
     fields = getattr(TokenRollout, "model_fields", None) or TokenRollout.__fields__
-    extra = {k: [] for k in ("policy_epoch", "kv_cache_epoch", "num_evictions") if k in fields}
+    # core_v0.17 on: the engine's epochs per turn, (token, epoch) runs; no eviction
+    known = {"policy_epoch": [[(0, 0)]], "kv_cache_epoch": [[(0, 0)]], "num_evictions": [0]}
+    extra = {k: v for k, v in known.items() if k in fields}
     rollouts = [
         TokenRollout(
             trajectory=[list(s["tokens"])],
@@ -198,7 +214,17 @@ def _prepare(rl_utils, function, model, rollouts, tokenizer, packing: bool):
     if "sequence_packing" in params:
         kwargs.update(sequence_packing=packing, is_correction=True)
     out = function(**kwargs)
-    return out[0] if isinstance(out, tuple) else out
+    if not isinstance(out, tuple):  # up to core_v0.16: it logged the collection itself
+        return out
+    # core_v0.17 on: the caller (get_grpo_data_iterator) logs it, as here
+    iterator, group_stats, example_groups = out
+    rl_utils.maybe_log_training_metrics(
+        group_stats=group_stats,
+        current_iteration=0,
+        tokenizer=tokenizer,
+        example_groups=example_groups,
+    )
+    return iterator
 
 
 def _everything(rl_utils, iterator, packing: bool, batches: int) -> list[list[torch.Tensor]]:
@@ -239,7 +265,13 @@ def rank_prepare(packing: bool = False) -> dict:
     torch.cuda.nvtx.range_push = torch.cuda.nvtx.range_pop = lambda *_a, **_k: None
     torch.cuda.synchronize = torch.cuda.empty_cache = lambda *_a, **_k: None
     tokenizer = SimpleNamespace(
-        pad=PAD, eod=EOD, bos=None, vocab_size=VOCAB, vocab={}, detokenize=lambda _t: "x"
+        pad=PAD,
+        eod=EOD,
+        bos=None,
+        vocab_size=VOCAB,
+        vocab={},
+        library="null",
+        detokenize=lambda _t: "x",
     )
     global_vars._GLOBAL_TOKENIZER = tokenizer
     from megatron.rl import rl_utils
@@ -277,8 +309,11 @@ def rank_prepare(packing: bool = False) -> dict:
         out["shadow_metrics"] = baseline_metrics()
         out["off_same"], out["shadow_same"] = _same(off, plain), _same(shadow, plain)
         for path in ("rules", "exact"):
+            writer = global_vars._GLOBAL_TENSORBOARD_WRITER = _Writer()
             out[path] = _advantages_of(run("on", path), packing)
+            global_vars._GLOBAL_TENSORBOARD_WRITER = None
             out[f"{path}_metrics"] = baseline_metrics()
+            out[f"{path}_logged"] = dict(writer.scalars)
         out["plain"] = _advantages_of(plain, packing)
         if packing:
             info = rl_utils.get_rl_runtime_state().packing_context.packing_info
@@ -338,6 +373,9 @@ def _check(ranks: list[dict], packing: bool) -> None:
             m = r[f"{path}_metrics"]
             assert m["ess_baseline_applied"] == 1.0 and m["ess_baseline_norm_pass_s"] > 0
             assert m["ess_baseline_fallback_groups"] == 0.0
+            # the metrics reach Megatron-RL's writer, read from what was applied
+            logged = r[f"{path}_logged"]
+            assert {k: logged[k] for k in m} == m, (logged, m)
         if packing:  # each bin's sequences, by their global index
             for path in got:
                 values = iter(r[path])
