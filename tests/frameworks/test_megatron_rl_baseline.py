@@ -147,7 +147,7 @@ def _samples(seed: int = 0) -> list[dict]:
     return out
 
 
-def _rollouts(samples: list[dict]) -> list:
+def _rollouts(samples: list[dict], multi_turn: bool = False) -> list:
     from megatron.rl.agent.api import TokenRollout
 
     fields = getattr(TokenRollout, "model_fields", None) or TokenRollout.__fields__
@@ -165,6 +165,15 @@ def _rollouts(samples: list[dict]) -> list:
         )
         for s in samples
     ]
+    if multi_turn:  # rollout 1 gets a second turn (a second training row)
+        r = rollouts[1]
+        r.trajectory, r.generation_mask = r.trajectory * 2, r.generation_mask * 2
+        r.logprobs = r.logprobs * 2
+        for key in ("policy_epoch", "kv_cache_epoch"):
+            if key in extra:
+                setattr(r, key, getattr(r, key) * 2)
+        if "num_evictions" in extra:
+            r.num_evictions = [0, 0]
     return [rollouts[g * N : (g + 1) * N] for g in range(G)]
 
 
@@ -252,7 +261,11 @@ def _advantages_of(batches: list[list[torch.Tensor]], packing: bool) -> list[flo
     return [float(x) for batch in batches for x in batch[1].double()]
 
 
-def rank_prepare(packing: bool = False) -> dict:
+def rank_prepare(packing: bool = False, case: str = "normal") -> dict:
+    """This rank's view of the real ``prepare_data_for_update``: unpatched, then installed off,
+    shadow, and on with each path (the advantages the iterator yields, the metrics, what the
+    writer got); ``case``: a fault instead ("unhooked": the release builds its advantages
+    without the hooked routine; "multi-turn": a rollout with two turns), its error."""
     from megatron.core import parallel_state as mpu
     from megatron.training import global_vars
 
@@ -284,7 +297,7 @@ def rank_prepare(packing: bool = False) -> dict:
 
     from megatron.core import num_microbatches_calculator as calculator
 
-    def run(mode, path=None):
+    def run(mode, path=None, multi_turn=False):
         global_vars._GLOBAL_ARGS = _host(mode, path, packing)
         calculator.destroy_num_microbatches_calculator()  # as pretrain sets it up, each run
         calculator.init_num_microbatches_calculator(0, None, G * N, 2, dp, False)
@@ -293,7 +306,7 @@ def rank_prepare(packing: bool = False) -> dict:
                 rl_utils,
                 rl_utils.prepare_data_for_update,
                 model,
-                _rollouts(samples),
+                _rollouts(samples, multi_turn),
                 tokenizer,
                 packing,
             )
@@ -304,11 +317,22 @@ def rank_prepare(packing: bool = False) -> dict:
     ess_patch.install(["megatron", "megatron_rl"])
     out: dict = {"dp_rank": dp_rank, "share": share}
     try:
+        if case != "normal":
+            saved = vars(rl_utils)["calculate_grpo_advantages"]
+            if case == "unhooked":
+                rl_utils.calculate_grpo_advantages = saved.__wrapped__
+            try:
+                run("on", "rules", multi_turn=case == "multi-turn")
+            except Exception as exc:  # the test reads the error each rank raised
+                return {"error": f"{type(exc).__name__}: {exc}", "metrics": baseline_metrics()}
+            finally:
+                rl_utils.calculate_grpo_advantages = saved
+            return {"error": None}
         off = run(None)
         shadow = run("shadow")
         out["shadow_metrics"] = baseline_metrics()
         out["off_same"], out["shadow_same"] = _same(off, plain), _same(shadow, plain)
-        for path in ("rules", "exact"):
+        for path in ("rules", "exact", "proxy"):
             writer = global_vars._GLOBAL_TENSORBOARD_WRITER = _Writer()
             out[path] = _advantages_of(run("on", path), packing)
             global_vars._GLOBAL_TENSORBOARD_WRITER = None
@@ -347,13 +371,38 @@ def _brute_sq(model, samples) -> torch.Tensor:
     return torch.stack(out)
 
 
-def expected() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _brute_proxy_sq(model, samples) -> torch.Tensor:
+    """The forward-only proxy by hand: per token, the squared norm of the autograd gradient of
+    ``log p(y_t)`` with respect to that position's logits, times ``w_t^2``."""
+    from ess_patch.demo.cpu import megatron_on_cpu
+
+    out = []
+    model.eval()
+    for s in samples:
+        tokens = torch.tensor(s["tokens"])
+        total, prompt = tokens.numel(), s["prompt"]
+        with torch.no_grad(), megatron_on_cpu():
+            logits = model(tokens[None], torch.arange(total)[None], None)[0]
+        z = logits[prompt - 1 : total - 1].double().requires_grad_()
+        lp = torch.log_softmax(z, -1).gather(1, tokens[prompt:, None]).squeeze(1)
+        inf = torch.tensor(s["inf"], dtype=torch.float64)
+        w = torch.ones_like(lp)
+        w[: inf.numel()] = torch.clamp(torch.exp(lp[: inf.numel()].detach() - inf), max=TRUNC)
+        per_token = [
+            torch.autograd.grad(lp[t], z, retain_graph=True)[0][t].square().sum()
+            for t in range(lp.numel())
+        ]
+        out.append((w.detach().square() * torch.stack(per_token)).sum())
+    return torch.stack(out)
+
+
+def expected(proxy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(b*-advantages, GRPO's advantages, b* per group), all rollouts, upstream's formula."""
     from ess_patch.demo.policy import single_process
 
     samples = _samples()
     with single_process():
-        sq = _brute_sq(_model(), samples).reshape(G, N)
+        sq = (_brute_proxy_sq if proxy else _brute_sq)(_model(), samples).reshape(G, N)
     r = torch.tensor(REWARDS, dtype=torch.float64).reshape(G, N)
     b = (sq * r).sum(1) / sq.sum(1)
     std = r.std(1, unbiased=False)
@@ -364,12 +413,15 @@ def expected() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def _check(ranks: list[dict], packing: bool) -> None:
     want, grpo, b = expected()
+    want_proxy = expected(proxy=True)[0]
     assert (want - grpo).abs().max() > 1e-3  # b* is not the group mean here: the check can tell
-    got = {p: torch.zeros(G * N, dtype=torch.float64) for p in ("rules", "exact", "plain")}
+    assert (want - want_proxy).abs().max() > 1e-4  # nor the proxy's b* the exact one
+    paths = ("rules", "exact", "proxy")
+    got = {p: torch.zeros(G * N, dtype=torch.float64) for p in (*paths, "plain")}
     for r in ranks:
         assert r["off_same"] and r["shadow_same"], r  # off and shadow: bit-identical
         assert r["shadow_metrics"]["ess_baseline_applied"] == 0.0
-        for path in ("rules", "exact"):
+        for path in paths:
             m = r[f"{path}_metrics"]
             assert m["ess_baseline_applied"] == 1.0 and m["ess_baseline_norm_pass_s"] > 0
             assert m["ess_baseline_fallback_groups"] == 0.0
@@ -387,8 +439,9 @@ def _check(ranks: list[dict], packing: bool) -> None:
             for path in got:
                 got[path][rows] = torch.tensor(r[path], dtype=torch.float64)
     assert torch.allclose(got["plain"], grpo, rtol=1e-5, atol=1e-5)  # upstream's own formula
-    for path in ("rules", "exact"):
-        assert torch.allclose(got[path], want, rtol=1e-5, atol=1e-5), (path, got[path], want)
+    for path in paths:
+        target = want_proxy if path == "proxy" else want
+        assert torch.allclose(got[path], target, rtol=1e-5, atol=1e-5), (path, got[path], target)
     mean = torch.tensor(REWARDS, dtype=torch.float64).reshape(G, N).mean(1)
     for r in ranks:
         assert r["rules_metrics"]["ess_baseline_shift"] == pytest.approx(
@@ -407,3 +460,19 @@ def test_applied_advantages_are_b_star_from_brute_force_norms(dp, packing, tmp_p
     _check(ranks, packing)
     if dp == 2:  # the middle group lies on both ranks: reduced over DP, not refused
         assert ranks[0]["rules_metrics"]["ess_baseline_split_groups"] == 1.0
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", ["unhooked", "multi-turn"])
+def test_a_baseline_that_would_not_apply_stops_every_rank(case, tmp_path):
+    """A release whose advantages do not come through the hooked routine, and a multi-turn
+    rollout (on DP rank 0 only): every rank stops with EssLrNotAppliedError, the rank that saw
+    it naming it."""
+    ranks = run_ranks(rank_prepare, dp=2, args=(False, case), tmp_path=tmp_path, timeout=300)
+    errors = [r["error"] for r in ranks]
+    assert all(e is not None and e.startswith("EssLrNotAppliedError") for e in errors), errors
+    assert all("megatron_rl" in e and "group mean" in e for e in errors), errors
+    if case == "unhooked":
+        assert all("calculate_grpo_advantages did not run" in e for e in errors), errors
+    else:
+        assert "multi-turn" in errors[0] and "another DP rank" in errors[1], errors
