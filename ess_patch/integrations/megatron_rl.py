@@ -33,9 +33,22 @@ all of them, and CP peers or PP stages that computed different results (rows tha
 whole) are an error too. Shadow mode (``--ess-lr-shadow`` / ``ESS_LR_SHADOW``) runs the same
 hooks and collectives but keeps the result for the logs only (``ess_lr_shadow_scale``).
 
-VCPO's baseline (``--use-ess-baseline`` / ``--ess-baseline-shadow``, ``ESS_LR_BASELINE`` /
-``ESS_LR_BASELINE_SHADOW``) is refused at parse time in a Megatron-RL run, by name
-(:func:`validate_megatron_rl_baseline`): nothing here replaces GRPO's group mean yet.
+VCPO's baseline (``--use-ess-baseline`` / ``--ess-baseline-shadow`` / ``--ess-baseline-path``,
+``ESS_LR_BASELINE*``; on with or without ESS-LR), ``integrations/megatron_rl_baseline.py``:
+
+- ``prepare_data_for_update(model, rollouts, tokenizer, ...)``: before its body, the norm pass
+  on this DP rank's share of the rollouts and ``b*`` of every group (``grpo_group_size``
+  consecutive rollouts, the outer list), groups split over DP reduced; after it, the read-back.
+- ``calculate_grpo_advantages(rewards, num_turns)`` (core_v0.16.1 to core_v0.18.2; install()
+  only, no ``patches/`` call site): ``b*`` replaces the group mean, upstream's std kept.
+- ``maybe_log_training_metrics``: the read-back (up to core_v0.16 it runs inside the
+  collection), then ``ess_baseline_*`` beside the ESS metrics, in the same writers.
+
+Refused at parse time by name (:func:`validate_megatron_rl_baseline`): PP, CP, virtual
+pipelines, ``--grpo-group-size`` below 2, a tree without ``calculate_grpo_advantages``
+(radixark's fork computes the advantages inline), an unpatched routine (a tree patched with
+the ``patches/`` series only); at run time, on every rank: multi-turn rollouts, groups of
+unequal size, a collection that does not split evenly over DP.
 """
 
 from __future__ import annotations
