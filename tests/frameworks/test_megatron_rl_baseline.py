@@ -177,9 +177,11 @@ def _rollouts(samples: list[dict], multi_turn: bool = False) -> list:
     return [rollouts[g * N : (g + 1) * N] for g in range(G)]
 
 
-def _host(mode: str | None, path: str | None = None, packing: bool = False) -> argparse.Namespace:
+def _host(
+    mode: str | None, path: str | None = None, packing: bool = False, ess_lr: bool = False
+) -> argparse.Namespace:
     return argparse.Namespace(
-        use_ess_lr=False,
+        use_ess_lr=ess_lr,
         ess_lr_shadow=False,
         use_ess_baseline=mode == "on",
         ess_baseline_shadow=mode == "shadow",
@@ -264,8 +266,9 @@ def _advantages_of(batches: list[list[torch.Tensor]], packing: bool) -> list[flo
 def rank_prepare(packing: bool = False, case: str = "normal") -> dict:
     """This rank's view of the real ``prepare_data_for_update``: unpatched, then installed off,
     shadow, and on with each path (the advantages the iterator yields, the metrics, what the
-    writer got); ``case``: a fault instead ("unhooked": the release builds its advantages
-    without the hooked routine; "multi-turn": a rollout with two turns), its error."""
+    writer got), and on beside ESS-LR; ``case``: a fault instead ("unhooked": the release
+    builds its advantages without the hooked routine; "multi-turn": a rollout with two
+    turns), its error."""
     from megatron.core import parallel_state as mpu
     from megatron.training import global_vars
 
@@ -297,8 +300,8 @@ def rank_prepare(packing: bool = False, case: str = "normal") -> dict:
 
     from megatron.core import num_microbatches_calculator as calculator
 
-    def run(mode, path=None, multi_turn=False):
-        global_vars._GLOBAL_ARGS = _host(mode, path, packing)
+    def run(mode, path=None, multi_turn=False, ess_lr=False):
+        global_vars._GLOBAL_ARGS = _host(mode, path, packing, ess_lr)
         calculator.destroy_num_microbatches_calculator()  # as pretrain sets it up, each run
         calculator.init_num_microbatches_calculator(0, None, G * N, 2, dp, False)
         with megatron_on_cpu():
@@ -338,6 +341,9 @@ def rank_prepare(packing: bool = False, case: str = "normal") -> dict:
             global_vars._GLOBAL_TENSORBOARD_WRITER = None
             out[f"{path}_metrics"] = baseline_metrics()
             out[f"{path}_logged"] = dict(writer.scalars)
+        # with ESS-LR on too: the same advantages, and the collection's ESS armed
+        out["with_ess_lr"] = _advantages_of(run("on", "rules", ess_lr=True), packing)
+        out["ess_armed"] = ess_patch.armed() is not None
         out["plain"] = _advantages_of(plain, packing)
         if packing:
             info = rl_utils.get_rl_runtime_state().packing_context.packing_info
@@ -420,6 +426,7 @@ def _check(ranks: list[dict], packing: bool) -> None:
     got = {p: torch.zeros(G * N, dtype=torch.float64) for p in (*paths, "plain")}
     for r in ranks:
         assert r["off_same"] and r["shadow_same"], r  # off and shadow: bit-identical
+        assert r["with_ess_lr"] == r["rules"] and r["ess_armed"]
         assert r["shadow_metrics"]["ess_baseline_applied"] == 0.0
         for path in paths:
             m = r[f"{path}_metrics"]
