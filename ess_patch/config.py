@@ -248,17 +248,28 @@ ENV_NAMES: tuple[str, ...] = (
 )
 
 
+#: The ``ESS_LR_*`` variables of VCPO's baseline, read by ``integrations/baseline_flags.py``
+#: (not ESS-LR settings; a test keeps the two lists equal).
+BASELINE_ENV_NAMES: tuple[str, ...] = (
+    _ENV_PREFIX + "BASELINE",
+    _ENV_PREFIX + "BASELINE_SHADOW",
+    _ENV_PREFIX + "BASELINE_PATH",
+)
+
+
 def check_env_names(environ: Mapping[str, str]) -> None:
-    """Refuse an ``ESS_LR_*`` variable that no setting reads (a typo would be ignored).
+    """Refuse an ``ESS_LR_*`` variable that no setting reads (a typo would be ignored); the
+    baseline's variables are known.
 
     Raises:
         ValueError: names the variable and the closest valid name.
     """
-    for name in sorted(k for k in environ if k.startswith(_ENV_PREFIX) and k not in ENV_NAMES):
-        close = difflib.get_close_matches(name, ENV_NAMES, n=1, cutoff=0.6)
+    known = (*ENV_NAMES, *BASELINE_ENV_NAMES)
+    for name in sorted(k for k in environ if k.startswith(_ENV_PREFIX) and k not in known):
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
         hint = f"did you mean {close[0]}? " if close else ""
         raise EssPatchValueError(
-            f"{name} is not an ESS-LR setting: {hint}Known: {', '.join(ENV_NAMES)}. Rename "
+            f"{name} is not an ESS-LR setting: {hint}Known: {', '.join(known)}. Rename "
             f"or unset {name}"
         )
 

@@ -22,6 +22,20 @@ def test_the_flag_offers_the_norm_pass_paths_and_the_proxy():
     assert (*NORM_PASS_PATHS, "proxy") == PATHS
 
 
+def test_the_baseline_variables_are_known_to_the_esslr_environment_check():
+    """``ESS_LR_BASELINE*`` sit beside the ``ESS_LR_*`` settings: install() and every reader of
+    the environment must not refuse them as typos (a typo of theirs still is)."""
+    from ess_patch import EssLrConfig
+    from ess_patch.config import BASELINE_ENV_NAMES
+    from ess_patch.integrations.baseline_flags import ENV_ON, ENV_PATH, ENV_SHADOW
+
+    assert BASELINE_ENV_NAMES == (ENV_ON, ENV_SHADOW, ENV_PATH)
+    env = {ENV_ON: "1", ENV_SHADOW: "0", ENV_PATH: "exact", "ESS_LR_FLOOR": "0.2"}
+    assert EssLrConfig.from_env(env).floor == 0.2
+    with pytest.raises(ValueError, match="ESS_LR_BASELIN is not an ESS-LR setting"):
+        EssLrConfig.from_env({"ESS_LR_BASELIN": "1"})
+
+
 def _args(**kw):
     base = dict(
         use_ess_baseline=True,

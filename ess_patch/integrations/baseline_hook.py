@@ -103,12 +103,22 @@ def _token_logp(logits: torch.Tensor, targets: torch.Tensor, tp_group: Any) -> t
     return picked - total.log()
 
 
-def _weights(host_args: Any, rollout_data: dict, i: int) -> torch.Tensor | None:
+def _weights(
+    host_args: Any, rollout_data: dict, i: int, own: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """Sample ``i``'s per-token IS weight, or None (no rollout log-probs). With
+    ``rollout_data["log_probs_from_pass"]`` (Megatron-RL: its old log-probs are computed after
+    the advantages), the train log-probs are the pass's own, ``own`` (detached), and a NaN
+    rollout log-prob marks a token the engine did not score (weight 1, as upstream's)."""
     rollout = rollout_data.get("rollout_log_probs")
     train = rollout_data.get("log_probs")
-    if not rollout or not train:
+    if rollout and rollout_data.get("log_probs_from_pass") and own is not None:
+        r = torch.as_tensor(rollout[i]).double().to(own.device)
+        w = torch.where(torch.isnan(r), torch.ones_like(r), torch.exp(own.double() - r))
+    elif not rollout or not train:
         return None
-    w = torch.exp(torch.as_tensor(train[i]).double() - torch.as_tensor(rollout[i]).double())
+    else:
+        w = torch.exp(torch.as_tensor(train[i]).double() - torch.as_tensor(rollout[i]).double())
     if getattr(host_args, "use_tis", False):
         high = getattr(host_args, "tis_clip", None)
         low = getattr(host_args, "tis_clip_low", None)
@@ -140,10 +150,13 @@ def _response(rollout_data: dict, i: int) -> tuple[slice, slice]:
     return slice(total - resp - 1, total - 1), slice(total - resp, total)
 
 
-def _coefficients(host_args: Any, rollout_data: dict, i: int, device: Any) -> tuple:
-    """Sample ``i``'s per-token loss mask and IS weight (``None``: no rollout log-probs)."""
+def _coefficients(
+    host_args: Any, rollout_data: dict, i: int, device: Any, own: torch.Tensor | None = None
+) -> tuple:
+    """Sample ``i``'s per-token loss mask and IS weight (``None``: no rollout log-probs);
+    ``own``: the pass's detached log-probs (see :func:`_weights`)."""
     mask = torch.as_tensor(rollout_data["loss_masks"][i], device=device).float()
-    w = _weights(host_args, rollout_data, i)
+    w = _weights(host_args, rollout_data, i, own)
     return mask, (None if w is None else w.to(device, torch.float32))
 
 
@@ -158,7 +171,7 @@ def _terms_fn(model: torch.nn.Module, host_args: Any, rollout_data: dict, rows: 
         for k, i in enumerate(rows):
             at, target = _response(rollout_data, i)
             lp = _token_logp(logits[k, at], ids[k, target], tp_group)
-            mask, w = _coefficients(host_args, rollout_data, i, lp.device)
+            mask, w = _coefficients(host_args, rollout_data, i, lp.device, lp.detach())
             out.append(((mask if w is None else mask * w) * lp).sum())
         return torch.stack(out)
 
@@ -176,7 +189,11 @@ def _proxy_sq(model: torch.nn.Module, host_args: Any, rollout_data: dict, rows: 
     out = []
     for k, i in enumerate(rows):
         at, target = _response(rollout_data, i)
-        mask, w = _coefficients(host_args, rollout_data, i, logits.device)
+        own = None
+        if rollout_data.get("log_probs_from_pass"):
+            with torch.no_grad():
+                own = _token_logp(logits[k, at], ids[k, target], tp_group)
+        mask, w = _coefficients(host_args, rollout_data, i, logits.device, own)
         sq = proxy_sq_norms(
             logits[k, at][None],
             ids[k, target][None],

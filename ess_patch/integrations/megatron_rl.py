@@ -32,6 +32,23 @@ and one over PP of each rank's envelope and result), so that a fault on any rank
 all of them, and CP peers or PP stages that computed different results (rows that were not
 whole) are an error too. Shadow mode (``--ess-lr-shadow`` / ``ESS_LR_SHADOW``) runs the same
 hooks and collectives but keeps the result for the logs only (``ess_lr_shadow_scale``).
+
+VCPO's baseline (``--use-ess-baseline`` / ``--ess-baseline-shadow`` / ``--ess-baseline-path``,
+``ESS_LR_BASELINE*``; on with or without ESS-LR), ``integrations/megatron_rl_baseline.py``:
+
+- ``prepare_data_for_update(model, rollouts, tokenizer, ...)``: before its body, the norm pass
+  on this DP rank's share of the rollouts and ``b*`` of every group (``grpo_group_size``
+  consecutive rollouts, the outer list), groups split over DP reduced; after it, the read-back.
+- ``calculate_grpo_advantages(rewards, num_turns)`` (core_v0.16.1 to core_v0.18.2; install()
+  only, no ``patches/`` call site): ``b*`` replaces the group mean, upstream's std kept.
+- ``maybe_log_training_metrics``: the read-back (up to core_v0.16 it runs inside the
+  collection), then ``ess_baseline_*`` beside the ESS metrics, in the same writers.
+
+Refused at parse time by name (:func:`validate_megatron_rl_baseline`): PP, CP, virtual
+pipelines, ``--grpo-group-size`` below 2, a tree without ``calculate_grpo_advantages``
+(radixark's fork computes the advantages inline), an unpatched routine (a tree patched with
+the ``patches/`` series only); at run time, on every rank: multi-turn rollouts, groups of
+unequal size, a collection that does not split evenly over DP.
 """
 
 from __future__ import annotations
@@ -45,9 +62,10 @@ from typing import Any
 from .. import collapse_warning
 from ..errors import EssPatchValueError
 from ..guard import refuse
-from ..patching import MissingTargetError, Target
+from ..patching import MissingTargetError, Target, is_ours
 from ..state import STATE, armed, disarm
 from . import Integration
+from .baseline_flags import ENV_ON, ENV_SHADOW, baseline_mode, baseline_path
 from .binding import bind
 from .rl_hooks import (
     Framework,
@@ -485,33 +503,96 @@ def packed_stats_wrapper(
     )
 
 
+def _baseline_on(host: Any) -> bool:
+    return baseline_mode(host) is not None
+
+
 def prepare_wrapper(wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict) -> Any:
     """A new collection replaces the last one's ESS; one that armed none stops the run
-    (shadow mode: says so)."""
+    (shadow mode: says so). With VCPO's baseline: the norm pass and ``b*`` before upstream's
+    body, the read-back checked after it (``megatron_rl_baseline``)."""
+    host = _host_args()
+    baseline = _baseline_on(host)
     enabled = _enabled()
-    if enabled is None:
+    if enabled is None and not baseline:
         return wrapped(*args, **kwargs)
-    shadow = enabled[1]
-    disarm()
-    STATE.shadow = None
+    record = None
+    if baseline:
+        from . import megatron_rl_baseline  # torch: only when on
+
+        call = bind(wrapped, args, kwargs)
+        arguments = {} if call is None else dict(call.arguments)
+        lacking = [p for p in ("model", "rollouts", "tokenizer") if p not in arguments]
+        if lacking:
+            raise MissingTargetError(
+                f"ess-patch ({NAME}): prepare_data_for_update has no parameter "
+                f"{', '.join(lacking)}, so VCPO's baseline cannot take its norms. Supported: "
+                f"{BASELINE_SUPPORTED}"
+            )
+        dp_group = MEGATRON_RL_FRAMEWORK.groups().dp_group
+        record = megatron_rl_baseline.begin(
+            host, arguments["model"], arguments["rollouts"], arguments["tokenizer"], dp_group
+        )
+    if enabled is not None:
+        disarm()
+        STATE.shadow = None
     out = wrapped(*args, **kwargs)
-    if armed() is None and STATE.shadow is None:
+    if record is not None:
+        if not record["checked"]:  # core_v0.17 on: logged after the collection, not inside
+            megatron_rl_baseline.check_applied(_returned_stats(out), record, dp_group)
+        megatron_rl_baseline.finish(record, dp_group)
+    if enabled is not None and armed() is None and STATE.shadow is None:
         missing = "this rollout collection had no inference log-probs (nothing was measured)"
         fix = (
             "Use an inference backend that returns log-probs and keep "
             "--rl-inference-logprobs-is-correction on"
         )
-        if not shadow:
+        if not enabled[1]:
             refuse(NAME, missing, fix)
         logger.warning("ess-patch (%s): %s; shadow mode logs nothing for it", NAME, missing)
     return out
 
 
+def _returned_stats(out: Any) -> Any:
+    """The ``group_stats`` ``prepare_data_for_update`` returns (core_v0.17 on: ``(iterator,
+    group_stats, example_groups)``), else None."""
+    if isinstance(out, tuple) and len(out) >= 2 and hasattr(out[1], "advantages"):
+        return out[1]
+    return None
+
+
+def advantages_wrapper(
+    wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict
+) -> Any:
+    """``calculate_grpo_advantages(rewards, num_turns)``: inside a collection that took the
+    baseline's norms, ``b*`` replaces the group mean (shadow mode: computed, not applied);
+    elsewhere (evaluation) it calls straight through."""
+    record = STATE.baseline
+    if not isinstance(record, dict) or not record.get("pending"):
+        return wrapped(*args, **kwargs)
+    from . import megatron_rl_baseline
+
+    call = bind(wrapped, args, kwargs)
+    arguments = {} if call is None else dict(call.arguments)
+    out = wrapped(*args, **kwargs)
+    return megatron_rl_baseline.substitute(
+        out, arguments.get("rewards"), arguments.get("num_turns"), record
+    )
+
+
 def log_metrics_wrapper(
     wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict
 ) -> Any:
-    """Add the ESS metrics (armed, or shadow mode's) to the collection's wandb / tensorboard
-    record, in the writers this release logs to."""
+    """Add the ESS metrics (armed, or shadow mode's) and VCPO's baseline's (``ess_baseline_*``,
+    after its read-back of ``group_stats``) to the collection's wandb / tensorboard record, in
+    the writers this release logs to."""
+    record = STATE.baseline
+    if isinstance(record, dict) and "b_star" in record and not record.get("checked"):
+        from . import megatron_rl_baseline
+
+        call = bind(wrapped, args, kwargs)
+        stats = None if call is None else call.arguments.get("group_stats")
+        megatron_rl_baseline.check_applied(stats, record, MEGATRON_RL_FRAMEWORK.groups().dp_group)
     out = wrapped(*args, **kwargs)
     metrics = ess_metrics()
     if not metrics:
@@ -525,6 +606,80 @@ def log_metrics_wrapper(
         for key, value in metrics.items():
             tb_writer.add_scalar(key, value, step)
     return out
+
+
+BASELINE_SUPPORTED = (
+    "Megatron-LM core_v0.16.1 to core_v0.18.2 (megatron.rl.rl_utils.calculate_grpo_advantages"
+    "(rewards, num_turns)), installed with ess_patch.install(); one pipeline stage, no context "
+    "parallelism, single-turn rollouts"
+)
+
+
+def validate_megatron_rl_baseline(parsed: Any) -> None:
+    """Refuse, at parse time and by name, a Megatron-RL run that asks for VCPO's baseline
+    (``--use-ess-baseline`` / ``--ess-baseline-shadow`` or ``ESS_LR_BASELINE`` /
+    ``ESS_LR_BASELINE_SHADOW``) on anything the baseline does not serve.
+
+    Raises:
+        EssPatchValueError: naming each setting (or the tree) it cannot serve, and what is
+            supported; or malformed ``ESS_LR_BASELINE*`` variables.
+    """
+    mode = baseline_mode(parsed)
+    if mode is None:
+        return
+    baseline_path(parsed)
+    setting = (
+        ("--use-ess-baseline" if getattr(parsed, "use_ess_baseline", None) else ENV_ON)
+        if mode == "on"
+        else (
+            "--ess-baseline-shadow" if getattr(parsed, "ess_baseline_shadow", None) else ENV_SHADOW
+        )
+    )
+    problems = []
+    for name, flag in (
+        ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+        ("context_parallel_size", "--context-parallel-size"),
+    ):
+        if (getattr(parsed, name, 1) or 1) > 1:
+            problems.append(
+                f"{flag} {getattr(parsed, name)} (the norm pass runs one stage on whole sequences)"
+            )
+    if getattr(parsed, "virtual_pipeline_model_parallel_size", None):
+        problems.append("--virtual-pipeline-model-parallel-size (one model chunk only)")
+    if (getattr(parsed, "grpo_group_size", 2) or 0) < 2:
+        problems.append(
+            f"--grpo-group-size {getattr(parsed, 'grpo_group_size', None)} (a group of one has "
+            "no baseline)"
+        )
+    import importlib
+    import inspect
+
+    rl_utils = importlib.import_module(_RL_UTILS)
+    routine = getattr(rl_utils, "calculate_grpo_advantages", None)
+    try:
+        params = set(inspect.signature(routine).parameters) if routine is not None else set()
+    except (TypeError, ValueError):
+        params = set()
+    if not {"rewards", "num_turns"} <= params:
+        problems.append(
+            "this Megatron-LM tree (no megatron.rl.rl_utils.calculate_grpo_advantages(rewards, "
+            "num_turns): radixark's miles-main fork @2e64d788b and later trees compute GRPO's "
+            "advantages inline in prepare_data_for_update, with nothing to hook by name)"
+        )
+    elif not is_ours(routine):
+        problems.append(
+            "megatron.rl.rl_utils.calculate_grpo_advantages not patched (the patches/megatron_rl "
+            "series does not cover the baseline): call ess_patch.install(['megatron', "
+            "'megatron_rl']) (or ESS_PATCH_AUTO_INSTALL=1)"
+        )
+    if problems:
+        raise EssPatchValueError(
+            f"ess-patch ({NAME}): {setting} (VCPO's minimum-variance baseline) is not supported "
+            "in Megatron-RL (train_rl.py, --perform-rl-step) with "
+            + "; ".join(problems)
+            + f". Supported: {BASELINE_SUPPORTED}. Drop {setting} (unset {ENV_ON} / "
+            f"{ENV_SHADOW}) or change that setting"
+        )
 
 
 def parse_args_wrapper(
@@ -561,6 +716,7 @@ def parse_args_wrapper(
     requested = getattr(parsed, "use_ess_lr", False) or shadow_requested(parsed)
     if getattr(parsed, "perform_rl_step", False):
         validate(MEGATRON_RL_FRAMEWORK, parsed)
+        validate_megatron_rl_baseline(parsed)
         if requested:  # decided afresh for this run: an unknown tree fails here, not later
             MEGATRON_RL_HISTORY.clear()
             MEGATRON_RL_HISTORY.choose_all()
@@ -571,6 +727,14 @@ def parse_args_wrapper(
             "integrates with (miles, slime) declared the flag: nothing would measure the ESS. "
             "Add --perform-rl-step for Megatron-RL (train_rl.py), or launch through miles / "
             f"slime with ess_patch.install() ({NAME})"
+        )
+    elif host_flags and not host_flags[0] and baseline_mode(parsed) is not None:
+        raise EssPatchValueError(
+            "--use-ess-baseline (or --ess-baseline-shadow, ESS_LR_BASELINE*) was given to "
+            "Megatron's parse_args, but this is not a Megatron-RL run (no --perform-rl-step) "
+            "and no RL framework that ess-patch integrates with (miles, slime) declared the "
+            "flag: no advantage would take the baseline. Launch through miles / slime with "
+            f"ess_patch.install(), or drop the setting ({NAME})"
         )
     return parsed
 
@@ -620,6 +784,16 @@ MEGATRON_RL = Integration(
         ),
         Target(
             "megatron.training.initialize", "", "parse_args", parse_args_wrapper, required=False
+        ),
+        # VCPO's baseline (core_v0.16.1 to core_v0.18.2; the fork computes the advantages
+        # inline and validate_megatron_rl_baseline refuses it): install() only
+        Target(
+            _RL_UTILS,
+            "",
+            "calculate_grpo_advantages",
+            advantages_wrapper,
+            required=False,
+            vendored=False,
         ),
     ),
     history=MEGATRON_RL_HISTORY,

@@ -65,3 +65,32 @@ def test_megatron_rl_tests_pass_on_each_megatron_lm_snapshot(folder, tmp_path):
     passed, skipped, tail = run_pytest(FRAMEWORKS / "test_megatron_rl.py", env, tmp_path)
     assert passed >= CORE, (CORE - passed, tail)
     assert not skipped, tail  # nothing of that version left untested
+
+
+#: VCPO's baseline: every snapshot with calculate_grpo_advantages runs these; the fork (no such
+#: routine) skips them by name (and test_megatron_rl.py checks its parse-time refusal).
+BASELINE = {
+    "test_applied_advantages_are_b_star_from_brute_force_norms[dp1-padded]",
+    "test_applied_advantages_are_b_star_from_brute_force_norms[dp1-packed]",
+    "test_applied_advantages_are_b_star_from_brute_force_norms[dp2-padded]",
+    "test_applied_advantages_are_b_star_from_brute_force_norms[dp2-packed]",
+    "test_a_baseline_that_would_not_apply_stops_every_rank[unhooked]",
+    "test_a_baseline_that_would_not_apply_stops_every_rank[multi-turn]",
+}
+
+
+@pytest.mark.skipif(
+    not OTHERS,
+    reason="no Megatron-LM snapshot besides $MEGATRON_RL_SRC under $ESS_PATCH_UPSTREAM",
+)
+@pytest.mark.parametrize("folder", OTHERS, ids=lambda f: f.name)
+def test_megatron_rl_baseline_on_each_megatron_lm_snapshot(folder, tmp_path):
+    env = child_env(core_version_for(folder), folder)
+    env["MEGATRON_RL_SRC"] = str(folder)
+    rl_utils = (folder / "megatron" / "rl" / "rl_utils.py").read_text()
+    passed, skipped, tail = run_pytest(FRAMEWORKS / "test_megatron_rl_baseline.py", env, tmp_path)
+    if "def calculate_grpo_advantages(" in rl_utils:
+        assert passed >= BASELINE, (BASELINE - passed, tail)
+        assert not skipped, tail
+    else:  # refused by name at parse time: nothing here may pass as if it were served
+        assert not passed and skipped, tail

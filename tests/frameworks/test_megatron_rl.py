@@ -47,6 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the 
 from harness import layout, run_ranks
 from reference import reference_ess
 
+from ess_patch.errors import EssPatchValueError
+
 SRC = os.environ.get("MEGATRON_RL_SRC")
 
 
@@ -90,7 +92,7 @@ def _install() -> None:
 
     seen = 0
     for target in INTEGRATIONS["megatron_rl"].targets:
-        if target.module not in sys.modules:
+        if target.module not in sys.modules or not target.vendored:  # install()-only targets
             continue
         value = vars(importlib.import_module(target.module)).get(target.attribute)
         assert is_vendored(value), f"{target.path} is not patched (vendored mode)"
@@ -619,6 +621,115 @@ def test_use_ess_lr_on_a_plain_megatron_parse_is_refused(installed):
     assert plain.use_ess_lr is False and not plain.perform_rl_step
 
 
+#: The trees VCPO's baseline serves (calculate_grpo_advantages(rewards, num_turns) to hook);
+#: radixark's miles-main fork computes the advantages inline and is refused by name.
+BASELINE_TREE = (
+    SRC is not None
+    and (Path(SRC) / "megatron" / "rl" / "rl_utils.py").is_file()
+    and (
+        "def calculate_grpo_advantages("
+        in (Path(SRC) / "megatron" / "rl" / "rl_utils.py").read_text()
+    )
+)
+
+
+def _no_baseline_env(monkeypatch) -> None:
+    for key in ("ESS_LR_BASELINE", "ESS_LR_BASELINE_SHADOW", "ESS_LR_BASELINE_PATH"):
+        monkeypatch.delenv(key, raising=False)
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "setting"),
+    [
+        (["--use-ess-baseline"], {}, "--use-ess-baseline"),
+        (["--ess-baseline-shadow"], {}, "--ess-baseline-shadow"),
+        ([], {"ESS_LR_BASELINE": "1"}, "ESS_LR_BASELINE"),
+        ([], {"ESS_LR_BASELINE_SHADOW": "yes"}, "ESS_LR_BASELINE_SHADOW"),
+        (["--use-ess-lr", "--use-ess-baseline"], {}, "--use-ess-baseline"),
+    ],
+)
+def test_the_baseline_is_parsed_or_refused_by_name(installed, monkeypatch, argv, env, setting):
+    """Asked for by flag or variable, with or without ESS-LR: a tree with Megatron-RL's
+    advantage routine parses it; the fork (advantages inline) stops at parse time, naming
+    Megatron-RL, the setting, the tree and what is supported. A plain Megatron parse (no
+    --perform-rl-step, no framework declaring it) is refused either way."""
+    from ess_patch.integrations.baseline_flags import baseline_mode
+
+    _no_baseline_env(monkeypatch)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    full = [*argv, "--rl-inference-logprobs-is-correction", "--grpo-group-size", "4"]
+    if BASELINE_TREE and VENDORED:  # the series carries no baseline call site: install() does
+        with pytest.raises(EssPatchValueError, match=r"calculate_grpo_advantages not patched"):
+            _parse(full)
+    elif BASELINE_TREE:
+        args = _parse(full)
+        assert baseline_mode(args) == ("shadow" if "SHADOW" in setting.upper() else "on")
+    else:
+        with pytest.raises(EssPatchValueError) as info:
+            _parse(full)
+        message = str(info.value)
+        assert "megatron_rl" in message and "Megatron-RL" in message
+        assert setting in message and "calculate_grpo_advantages" in message
+        assert "Supported: Megatron-LM core_v0.16.1 to core_v0.18.2" in message
+    with pytest.raises(EssPatchValueError, match=r"not a Megatron-RL run"):
+        _parse(argv, rl=False)
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2"),
+        (["--context-parallel-size", "2"], "--context-parallel-size 2"),
+        (["--grpo-group-size", "1"], "--grpo-group-size 1"),
+        (["--ess-baseline-path", "exact", "--ess-baseline-shadow"], "both on"),
+    ],
+)
+def test_the_baseline_refuses_what_it_cannot_serve_at_parse_time(
+    installed, monkeypatch, argv, match
+):
+    _no_baseline_env(monkeypatch)
+    base = ["--use-ess-baseline", "--rl-inference-logprobs-is-correction", "--grpo-group-size", "4"]
+    with pytest.raises(EssPatchValueError, match=match) as info:
+        _parse([*base, *argv])
+    assert match == "both on" or "ess-patch (megatron_rl)" in str(info.value)
+
+
+def test_the_baseline_off_parses_as_before(installed, monkeypatch):
+    """Off (not given, ``--no-use-ess-baseline``, ``ESS_LR_BASELINE=0``) nothing is refused
+    and ESS-LR parses as it did."""
+    _no_baseline_env(monkeypatch)
+    monkeypatch.setenv("ESS_LR_BASELINE", "0")
+    args = _parse(["--use-ess-lr", "--rl-inference-logprobs-is-correction"])
+    assert args.use_ess_lr and args.use_ess_baseline is None
+    off = _parse(["--no-use-ess-baseline", "--rl-inference-logprobs-is-correction"])
+    assert off.use_ess_baseline is False and off.use_ess_lr is False
+    monkeypatch.setenv("ESS_LR_BASELINE", "maybe")  # malformed: refused by name, not ignored
+    with pytest.raises(EssPatchValueError, match=r"ESS_LR_BASELINE='maybe'"):
+        _parse([])
+
+
+@pytest.mark.skipif(VENDORED, reason="a patched tree always has the flags (vendored mode)")
+def test_installed_parse_without_the_baseline_equals_the_uninstalled_one(monkeypatch):
+    """Installed, a Megatron-RL parse that does not ask for the baseline holds the same values
+    as the unpatched parser's, plus ess-patch's own settings left unset."""
+    import ess_patch
+
+    _no_baseline_env(monkeypatch)
+    argv = ["--rl-inference-logprobs-is-correction"]
+    plain = _parse(argv)
+    _install()
+    try:
+        patched = _parse(argv)
+    finally:
+        ess_patch.uninstall()
+    ours = {k for k in vars(patched) if k == "use_ess_lr" or k.startswith("ess_lr_")}
+    baseline = {"use_ess_baseline", "ess_baseline_shadow", "ess_baseline_path"}
+    assert {k: getattr(patched, k) for k in baseline} == dict.fromkeys(baseline)
+    after = {k: repr(v) for k, v in vars(patched).items() if k not in ours | baseline}
+    assert after == {k: repr(v) for k, v in vars(plain).items()}
+
+
 @pytest.mark.skipif(VENDORED, reason="a patched tree always has the flags (vendored mode)")
 def test_uninstalled_parser_has_no_flags():
     from megatron.training import arguments
@@ -842,6 +953,8 @@ def test_doctor_knows_megatron_rl(installed, monkeypatch):
     for target in INTEGRATIONS["megatron_rl"].targets:
         if not target.required and any(line.startswith(f"-- {target.path}:") for line in lines):
             continue  # an optional site this release lacks (initialize.parse_args from 0.18)
+        if VENDORED and not target.vendored:
+            continue  # install()-only (VCPO's baseline): not installed in vendored mode
         assert any(line.startswith(f"ok {target.path}: {state}") for line in lines), target.path
     shape = next(line for line in lines if line.startswith("shape: megatron_rl: "))
     writers = "maybe_log_training_metrics(wandb_writer" in shape

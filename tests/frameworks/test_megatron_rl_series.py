@@ -71,6 +71,8 @@ for t in INTEGRATIONS["megatron_rl"].targets:
     value = vars(importlib.import_module(t.module)).get(t.attribute)
     if value is None and not t.required:
         continue  # a site this release lacks (initialize.parse_args from core_v0.18)
+    if not t.vendored:
+        continue  # install()-only (VCPO's baseline): no series carries it
     assert is_vendored(value), t.path
     seen.append(t.path)
 emit(len(seen))
