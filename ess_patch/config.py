@@ -238,22 +238,20 @@ class EssLrConfig:
         return cls(**values)  # type: ignore[arg-type]
 
 
-#: Every ``ESS_LR_*`` variable ess-patch reads: one per field, verl's switch, and the
-#: baseline's three (``integrations/baseline_flags.py``: ``ESS_LR_BASELINE``, ``..._SHADOW``,
-#: ``..._PATH``; without them here install() refused the baseline's own variables).
-ENV_NAMES: tuple[str, ...] = (
-    *(_ENV_PREFIX + f.name.upper() for f in fields(EssLrConfig)),
-    _ENV_PREFIX + "ENABLE",
-    *(_ENV_PREFIX + name for name in ("BASELINE", "BASELINE_SHADOW", "BASELINE_PATH")),
-)
-
-
 #: The ``ESS_LR_*`` variables of VCPO's baseline, read by ``integrations/baseline_flags.py``
 #: (not ESS-LR settings; a test keeps the two lists equal).
 BASELINE_ENV_NAMES: tuple[str, ...] = (
     _ENV_PREFIX + "BASELINE",
     _ENV_PREFIX + "BASELINE_SHADOW",
     _ENV_PREFIX + "BASELINE_PATH",
+)
+
+#: Every ``ESS_LR_*`` variable ess-patch reads: one per field, verl's switch, and the
+#: baseline's three (without them here install() refused the baseline's own variables).
+ENV_NAMES: tuple[str, ...] = (
+    *(_ENV_PREFIX + f.name.upper() for f in fields(EssLrConfig)),
+    _ENV_PREFIX + "ENABLE",
+    *BASELINE_ENV_NAMES,
 )
 
 
@@ -264,7 +262,7 @@ def check_env_names(environ: Mapping[str, str]) -> None:
     Raises:
         ValueError: names the variable and the closest valid name.
     """
-    known = (*ENV_NAMES, *BASELINE_ENV_NAMES)
+    known = ENV_NAMES
     for name in sorted(k for k in environ if k.startswith(_ENV_PREFIX) and k not in known):
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
         hint = f"did you mean {close[0]}? " if close else ""
