@@ -7,7 +7,7 @@ on; the rule's state lives in ``state.STATE`` and only global rank 0 (or a proce
 torch.distributed) logs, so a run says it once, not once per rank. Logging only: nothing here
 changes an LR or a result.
 
-:func:`publish` is the one path every framework takes with a result it computed: the warning
+``publish()`` is the one path every framework takes with a result it computed: the warning
 first, then the result kept for shadow mode's logs (``STATE.shadow``) or armed for the coming
 optimizer steps (or handed back for the caller to apply: the ledger's step wrapper, verl's
 per-mini-batch arming).
