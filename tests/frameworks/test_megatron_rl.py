@@ -621,18 +621,6 @@ def test_use_ess_lr_on_a_plain_megatron_parse_is_refused(installed):
     assert plain.use_ess_lr is False and not plain.perform_rl_step
 
 
-#: The trees VCPO's baseline serves (calculate_grpo_advantages(rewards, num_turns) to hook);
-#: radixark's miles-main fork computes the advantages inline and is refused by name.
-BASELINE_TREE = (
-    SRC is not None
-    and (Path(SRC) / "megatron" / "rl" / "rl_utils.py").is_file()
-    and (
-        "def calculate_grpo_advantages("
-        in (Path(SRC) / "megatron" / "rl" / "rl_utils.py").read_text()
-    )
-)
-
-
 def _no_baseline_env(monkeypatch) -> None:
     for key in ("ESS_LR_BASELINE", "ESS_LR_BASELINE_SHADOW", "ESS_LR_BASELINE_PATH"):
         monkeypatch.delenv(key, raising=False)
@@ -653,16 +641,21 @@ def test_the_baseline_is_parsed_or_refused_by_name(installed, monkeypatch, argv,
     advantage routine parses it; the fork (advantages inline) stops at parse time, naming
     Megatron-RL, the setting, the tree and what is supported. A plain Megatron parse (no
     --perform-rl-step, no framework declaring it) is refused either way."""
+    import megatron.rl.rl_utils as rl_utils
+
     from ess_patch.integrations.baseline_flags import baseline_mode
 
+    # the tree actually imported decides (an earlier test module may have put another
+    # Megatron-LM tree, e.g. the fork, first on the path: megatron is a namespace package)
+    baseline_tree = hasattr(rl_utils, "calculate_grpo_advantages")
     _no_baseline_env(monkeypatch)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     full = [*argv, "--rl-inference-logprobs-is-correction", "--grpo-group-size", "4"]
-    if BASELINE_TREE and VENDORED:  # the series carries no baseline call site: install() does
+    if baseline_tree and VENDORED:  # the series carries no baseline call site: install() does
         with pytest.raises(EssPatchValueError, match=r"calculate_grpo_advantages not patched"):
             _parse(full)
-    elif BASELINE_TREE:
+    elif baseline_tree:
         args = _parse(full)
         assert baseline_mode(args) == ("shadow" if "SHADOW" in setting.upper() else "on")
     else:

@@ -56,6 +56,20 @@ pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 if SKIP is None and SRC not in sys.path:
     sys.path.append(SRC)
 
+
+@pytest.fixture(autouse=True)
+def _the_tree_under_test():
+    """At run time, not collection: an earlier test module may have put another Megatron-LM
+    tree (the fork) first on the path; megatron is a namespace package, so megatron.rl would
+    then come from it, here and in the ranks."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("megatron.rl")
+    where = [str(Path(p).resolve()) for p in (spec.submodule_search_locations or [])]
+    if not where or not where[0].startswith(str(Path(SRC).resolve())):
+        pytest.skip(f"megatron.rl resolves to {where[:1]}, not MEGATRON_RL_SRC (run separately)")
+
+
 G, N, S, VOCAB = 3, 4, 24, 16  # groups, rollouts per group, sequence length, vocabulary
 EOD, PAD = 1, 0
 TRUNC = 1.5  # --rl-importance-sampling-truncation-coef
