@@ -67,7 +67,10 @@ def _the_tree_under_test():
     spec = importlib.util.find_spec("megatron.rl")
     where = [str(Path(p).resolve()) for p in (spec.submodule_search_locations or [])]
     if not where or not where[0].startswith(str(Path(SRC).resolve())):
-        pytest.skip(f"megatron.rl resolves to {where[:1]}, not MEGATRON_RL_SRC (run separately)")
+        pytest.skip(
+            f"megatron.rl resolves to {where[:1]}, not MEGATRON_RL_SRC: runs alone, and in a "
+            "fresh interpreter per snapshot in test_megatron_lm_snapshots.py"
+        )
 
 
 G, N, S, VOCAB = 3, 4, 24, 16  # groups, rollouts per group, sequence length, vocabulary
