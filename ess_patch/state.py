@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from .config import EssLrConfig
 from .errors import EssPatchError, EssPatchValueError
@@ -38,60 +38,148 @@ logger = logging.getLogger(__name__)
 ROLES = ("policy", "critic")
 
 
+class _Part:
+    """One owner's share of :data:`STATE`: the fields it declares, and how :func:`reset` puts
+    them back. Each part names its owner module; ``keep`` lists what outlives ``reset()``
+    (what ``install()`` set up, undone by ``uninstall()`` only)."""
+
+    keep: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def reset_part(cls, state: Any) -> None:
+        """Set this part's fields of ``state`` back to their defaults, but for ``keep``."""
+        for f in fields(cls):
+            if f.name in cls.keep:
+                continue
+            value = f.default_factory() if f.default_factory is not MISSING else f.default
+            setattr(state, f.name, value)
+
+
 @dataclass
-class _EssState:
+class _Arming(_Part):
+    """state.py (``arm``/``disarm``, ``set_role``, ``exclude``, ``note_applier``) and
+    collapse_warning.publish (shadow mode's copy)."""
+
     armed: EssLrResult | None = None
     # shadow mode's last result: logged, never read by the optimizer wrappers
     shadow: EssLrResult | None = None
     role: str = "policy"
     excluded: weakref.WeakSet = field(default_factory=weakref.WeakSet)
-    # the settings install() was given, for hosts whose args lack the --ess-lr-* flags
-    config: EssLrConfig | None = None
     # something besides install() applies an armed scale: an attach()ed optimizer, or an
     # optimizer step decorated by a vendored (patches/) tree
     applied_elsewhere: bool = False
+
+
+@dataclass
+class _Installed(_Part):
+    """install.py: what ``install()`` was given and wrapped; ``reset()`` keeps it all."""
+
+    keep: ClassVar[tuple[str, ...]] = ("config", "step_wrappers")
+    # the settings install() was given, for hosts whose args lack the --ess-lr-* flags
+    config: EssLrConfig | None = None
+    # installed integrations that wrap optimizer steps (guard.py reads it)
+    step_wrappers: set = field(default_factory=set)
+
+
+@dataclass
+class _Guarding(_Part):
+    """guard.py: the fail-closed checks around every optimizer step."""
+
+    # torch's global step-hook handle: registered once per process, kept by reset()
+    keep: ClassVar[tuple[str, ...]] = ("step_guard",)
+    step_guard: Any = None
     # arm() with nothing to apply it: warned once (reset() re-arms the warning)
     warned_no_effect: bool = False
-    # installed integrations that wrap optimizer steps (install.py keeps it, guard.py reads it)
-    step_wrappers: set = field(default_factory=set)
     # the scale the last optimizer step applied since the current result was armed, read back
     # from its param groups (guard.note_applied); None: no step yet. The metrics report it.
     applied: float | None = None
-    # guard.py: torch's global step-hook handle (registered once per process, kept by
-    # reset()), a failed request (the auto-install's error: every step raises it) and the
-    # opt-out refusals already logged
-    step_guard: Any = None
+    # a failed request (the auto-install's error: every step raises it) and the opt-out
+    # refusals already logged
     request_error: BaseException | None = None
     opt_outs_logged: set = field(default_factory=set)
-    # what the integrations remember about the host (shapes chosen, signatures): each cache
-    # lives with its integration and registers here, so that reset() clears every one
-    caches: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    # per-thread flags of the step in progress (lr.py's scaling, loss_ledger's calls)
     local: threading.local = field(default_factory=threading.local)
-    # measured inside the policy loss (ledger.py): the rollout so measured (a LedgerRun), this
-    # optimizer step's per-trajectory partial sums ([B, 3] tables, one per loss call) and the
-    # first error met while adding to them (raised at the step, on every rank alike)
+
+
+@dataclass
+class _Caches(_Part):
+    """The integrations' memory of the host (shapes chosen, signatures): each cache lives
+    with its integration and registers here (:func:`register_cache`); ``reset()`` clears
+    every one and keeps the registrations."""
+
+    caches: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+
+    @classmethod
+    def reset_part(cls, state: Any) -> None:
+        for cache in list(state.caches):
+            cache.clear()
+
+
+@dataclass
+class _Ledger(_Part):
+    """ledger.py: measured inside the policy loss."""
+
+    # the rollout so measured (a LedgerRun), this optimizer step's per-trajectory partial sums
+    # ([B, 3] tables, one per loss call) and the first error met while adding to them (raised
+    # at the step, on every rank alike)
     ledger_run: Any = None
     ledger: list = field(default_factory=list)
     ledger_error: BaseException | None = None
-    # calibrate_rollouts: (results counted so far, sum of their rho), the same on every rank
-    # that computes (calibration.py), and the fingerprint of the config it was counted under
-    # (another config starts a new calibration); reset() starts a new calibration
+
+
+@dataclass
+class _Calibration(_Part):
+    """calibration.py (``calibrate_rollouts``) and collapse_warning.py (the early warning)."""
+
+    # (results counted so far, sum of their rho), the same on every rank that computes, and
+    # the fingerprint of the config it was counted under (another config starts a new one)
     calibration: tuple[float, float] = (0.0, 0.0)
     calibration_key: tuple[float, ...] | None = None
-    # the early-warning rule fed with this process's results (collapse_warning.py); a new rule
-    # (another threshold or patience) or reset() starts it over
-    early_warning: Any = None
     # a stale rollout met while calibrating: warned once per calibration
     calibration_warned: bool = False
-    # the policy version the trainer's weights were last published to the rollout engines as
+    # the early-warning rule fed with this process's results; a new rule (another threshold
+    # or patience) starts it over
+    early_warning: Any = None
+
+
+@dataclass
+class _PolicyVersion(_Part):
+    """policy_version.py's "current", as the integrations see publishes (rl_hooks.py)."""
+
+    # the version the trainer's weights were last published to the rollout engines as
     # (miles' weight_updater.weight_version; None: no publish seen in this process), and
-    # whether it trained since (then no sample is on-policy): policy_version.py's "current"
+    # whether it trained since (then no sample is on-policy)
     trainer_version: str | None = None
     trained_since_publish: bool = False
-    # VCPO's baseline (integrations/baseline_hook.py): the model a train actor lends to the
-    # advantage hook for the duration of train_actor, and the last rollout's record
+
+
+@dataclass
+class _Baseline(_Part):
+    """VCPO's baseline (integrations/baseline_hook.py and its framework callers)."""
+
+    # the model a train actor lends to the advantage hook for the duration of train_actor,
+    # and the last rollout's record
     baseline_model: Any = None
     baseline: dict | None = None
+
+
+_PARTS: tuple[type[_Part], ...] = (
+    _Arming,
+    _Installed,
+    _Guarding,
+    _Caches,
+    _Ledger,
+    _Calibration,
+    _PolicyVersion,
+    _Baseline,
+)
+
+
+@dataclass
+class _EssState(
+    _Baseline, _PolicyVersion, _Calibration, _Ledger, _Caches, _Guarding, _Installed, _Arming
+):
+    """Every part's fields, on one object (flat: ``STATE.armed``, ``STATE.ledger``...)."""
 
 
 STATE = _EssState()
@@ -115,30 +203,11 @@ def register_cache(cache: C) -> C:
 
 
 def reset() -> None:
-    """Forget everything armed or marked (does not unwrap patches: use ``uninstall``)."""
-    STATE.armed = None
-    STATE.shadow = None
-    STATE.role = "policy"
-    STATE.excluded = weakref.WeakSet()
-    STATE.local = threading.local()
-    STATE.warned_no_effect = False
-    STATE.applied_elsewhere = False
-    STATE.applied = None
-    STATE.request_error = None
-    STATE.opt_outs_logged = set()
-    for cache in list(STATE.caches):
-        cache.clear()
-    STATE.ledger_run = None
-    STATE.ledger = []
-    STATE.ledger_error = None
-    STATE.calibration = (0.0, 0.0)
-    STATE.calibration_key = None
-    STATE.early_warning = None
-    STATE.calibration_warned = False
-    STATE.trainer_version = None
-    STATE.trained_since_publish = False
-    STATE.baseline_model = None
-    STATE.baseline = None
+    """Forget everything armed or marked (does not unwrap patches: use ``uninstall``).
+
+    Each owner's part resets itself (:class:`_Part`)."""
+    for part in _PARTS:
+        part.reset_part(STATE)
 
 
 def arm(result_or_scale: EssLrResult | float) -> EssLrResult:
