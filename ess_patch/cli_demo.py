@@ -238,6 +238,19 @@ def _out_problem(out: Path) -> str | None:
     return None
 
 
+def _out_dir(args: Any, prefix: str) -> Path | None:
+    """``--out``, or ``ess-demo-out/<prefix><time stamp>``, made ready; None (the reason
+    printed) where it cannot be the output folder."""
+    out = args.out
+    if out is None:
+        out = Path("ess-demo-out") / (prefix + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    problem = _out_problem(out)
+    if problem:
+        print(f"ess-patch demo: {problem}", file=sys.stderr)
+        return None
+    return out
+
+
 def _guarded(bar: Any, out: Path, work: Callable[[], Any]) -> tuple[Any, int | None]:
     """Run ``work`` and close the progress bar: (its result, None), or (None, the exit code)
     after saying why, for a run that failed (1) or was interrupted (130; the launcher has

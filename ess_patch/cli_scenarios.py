@@ -5,7 +5,6 @@ weights, and the mixed arms run) and prints its tables."""
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import sys
 from collections.abc import Callable
@@ -17,7 +16,7 @@ from .cli_demo import (
     _ess_settings,
     _guarded,
     _install_hint,
-    _out_problem,
+    _out_dir,
     _progress,
     _refused,
 )
@@ -61,13 +60,8 @@ def _run_mixed(args: argparse.Namespace) -> int:
         cfg = quick_config(**options) if args.quick else DemoConfig(**options)
     except DemoConfigError as exc:
         return _refused(exc)
-    out = args.out
+    out = _out_dir(args, "")
     if out is None:
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        out = Path("ess-demo-out") / stamp
-    problem = _out_problem(out)
-    if problem:
-        print(f"ess-patch demo: {problem}", file=sys.stderr)
         return 2
     print(
         f"ess-patch demo: {cfg.world_size} ranks (dp={cfg.dp} tp={cfg.tp} pp={cfg.pp}) on "
@@ -84,13 +78,7 @@ def _run_mixed(args: argparse.Namespace) -> int:
     result, code = _guarded(bar, out, lambda: run(cfg, out, on_step=on_step))
     if code is not None:
         return code
-    print()
-    print(result.table)
-    print()
-    print(
-        "collapsed = the smoothed reward ends more than half of its peak gain below the peak; "
-        "LR scaled = steps whose applied LR was below the scheduled LR"
-    )
+    _table(result.table, "LR scaled = steps whose applied LR was below the scheduled LR")
     print(result.timing)
     print()
     print(f"finished in {result.wall_s:.0f}s; outputs in {result.out_dir.resolve()}:")
@@ -100,8 +88,18 @@ def _run_mixed(args: argparse.Namespace) -> int:
     return 0
 
 
+def _table(table: str, legend: str) -> None:
+    """Print a scenario's table and what its columns mean."""
+    print()
+    print(table)
+    print()
+    print(
+        "collapsed = the smoothed reward ends more than half of its peak gain below the peak; "
+        + legend
+    )
+
+
 def _run_stress(args: argparse.Namespace) -> int:
-    from .demo.launch import DemoError
     from .demo.scenarios.stress import QUICK_STEPS, STRESS, run_stress, stress_config
 
     options = _demo_options(
@@ -138,10 +136,9 @@ def _run_stress(args: argparse.Namespace) -> int:
     except ValueError as exc:  # DemoConfigError included
         return _refused(exc)
     lags = sorted({cfg.lag, *(args.lags or ())})
-    out = args.out
+    out = _out_dir(args, "stress-")
     if out is None:
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        out = Path("ess-demo-out") / f"stress-{stamp}"
+        return 2
     print(
         f"ess-patch demo --scenario stress: {cfg.world_size} ranks, {cfg.steps} steps, "
         f"{cfg.loss} loss, lr {cfg.lr:g}, max lag {', '.join(map(str, lags))}; "
@@ -153,19 +150,14 @@ def _run_stress(args: argparse.Namespace) -> int:
         bar.set_description(f"lag {lag} seed {seed} {arm}", refresh=False)
         bar.update(1)
 
-    try:
-        result = run_stress(cfg, out, seeds=seeds, lags=lags, on_step=on_step)
-    except DemoError as exc:
-        bar.close()
-        print(str(exc), file=sys.stderr)
-        return 1
-    bar.close()
-    print()
-    print(result.table)
-    print()
-    print(
-        "collapsed = the smoothed reward ends more than half of its peak gain below the peak; "
-        "constant = armed every step with the mean scale of the same seed's product run"
+    result, code = _guarded(
+        bar, out, lambda: run_stress(cfg, out, seeds=seeds, lags=lags, on_step=on_step)
+    )
+    if code is not None:
+        return code
+    _table(
+        result.table,
+        "constant = armed every step with the mean scale of the same seed's product run",
     )
     print(f"finished in {result.wall_s:.0f}s; outputs in {result.out_dir.resolve()}:")
     for path in (result.figure, result.table_path, result.steps_path, result.summary_path):
@@ -195,7 +187,6 @@ def _run_main(args: argparse.Namespace) -> int:
     if args.quick:
         options = {**main_job.QUICK, **options}
     jobs = 2 if args.jobs is None else args.jobs
-    seed = main_job.MAIN_SEED if args.seed is None else args.seed
     try:
         options["ess"] = _ess_settings(args, weight_mode="product")
         cfg = main_job.main_config(**options)
@@ -205,12 +196,9 @@ def _run_main(args: argparse.Namespace) -> int:
             )
     except ValueError as exc:  # DemoConfigError included
         return _refused(exc)
-    out = args.out
+    seed = main_job.MAIN_SEED if args.seed is None else args.seed
+    out = _out_dir(args, "main-")
     if out is None:
-        out = Path("ess-demo-out") / datetime.datetime.now().strftime("main-%Y%m%d-%H%M%S")
-    problem = _out_problem(out)
-    if problem:
-        print(f"ess-patch demo: {problem}", file=sys.stderr)
         return 2
     print(
         f"ess-patch demo: LR {cfg.lr:g} (tuned on the synchronous arm), every rollout {cfg.lag} "
@@ -294,18 +282,13 @@ def _collapse_settings(args: argparse.Namespace) -> tuple[Any, int] | int:
 def _run_collapse(args: argparse.Namespace) -> int:
     """``ess-patch demo --scenario collapse``: parse, run
     :mod:`ess_patch.demo.scenarios.collapse`, print."""
-    from .demo.launch import DemoError
 
     settings = _collapse_settings(args)
     if isinstance(settings, int):
         return settings
     cfg, seeds = settings
-    out = args.out
+    out = _out_dir(args, "collapse-")
     if out is None:
-        out = Path("ess-demo-out") / datetime.datetime.now().strftime("collapse-%Y%m%d-%H%M%S")
-    problem = _out_problem(out)
-    if problem:
-        print(f"ess-patch demo: {problem}", file=sys.stderr)
         return 2
     print(
         f"ess-patch demo --scenario collapse: {cfg.task} x{cfg.response_len}, {cfg.loss} loss, "
@@ -321,13 +304,12 @@ def _run_collapse(args: argparse.Namespace) -> int:
         bar.set_description(f"seed {seed} {arm} done")
         bar.update(cfg.steps)
 
-    try:
-        result, files, tables = _collapse_runs(args, cfg, out, seeds, lag_seeds, on_run)
-    except DemoError as exc:
-        bar.close()
-        print(str(exc), file=sys.stderr)
-        return 1
-    bar.close()
+    runs, code = _guarded(
+        bar, out, lambda: _collapse_runs(args, cfg, out, seeds, lag_seeds, on_run)
+    )
+    if code is not None:
+        return code
+    result, files, tables = runs
     print()
     print("\n\n".join(tables))
     print()
@@ -408,9 +390,9 @@ def _run_weights(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"ess-patch demo --scenario weights: {exc}", file=sys.stderr)
         return 2
-    out = args.out
+    out = _out_dir(args, "weights-")
     if out is None:
-        out = Path("ess-demo-out") / datetime.datetime.now().strftime("weights-%Y%m%d-%H%M%S")
+        return 2
     print(
         f"ess-patch demo --scenario weights: lengths {', '.join(map(str, cfg.lengths))}, "
         f"lags {', '.join(map(str, cfg.lags))}, {cfg.rollouts} rollouts of {cfg.batch} each "
