@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -318,8 +319,8 @@ def compute_ess_lr_from_stats(
         everything :func:`compute_ess_lr` raises, on the same ranks.
     """
     config = _check_config(config)
-    sizes = group_size(cp_group, "CP"), group_size(dp_group, "DP")
-    distributed = max(sizes) > 1
+    groups = _Groups.of(cp_group, dp_group)
+    distributed = groups.distributed
     if error is None:
         try:
             if trajectory_stats is None:
@@ -343,11 +344,25 @@ def compute_ess_lr_from_stats(
         missing=False,
         error=error,
         config=config,
-        cp_group=cp_group,
-        dp_group=dp_group,
-        sizes=sizes,
+        groups=groups,
     )
     return _decide(summaries, config, agreed, count=count)
+
+
+class _Groups(NamedTuple):
+    """The CP and DP groups a rollout's table is reduced over, and their sizes."""
+
+    cp: object | None
+    dp: object | None
+    sizes: tuple[int, int]
+
+    @classmethod
+    def of(cls, cp_group: object | None, dp_group: object | None) -> _Groups:
+        return cls(cp_group, dp_group, (group_size(cp_group, "CP"), group_size(dp_group, "DP")))
+
+    @property
+    def distributed(self) -> bool:
+        return max(self.sizes) > 1
 
 
 def _reduce(
@@ -365,8 +380,8 @@ def _reduce(
     agreed on, or the error every rank must raise. ``error``: a fault this rank already has
     (raised at once in a single process; else it joins every collective flagged, naming the
     rank it came from, then re-raises it)."""
-    sizes = group_size(cp_group, "CP"), group_size(dp_group, "DP")
-    distributed = max(sizes) > 1
+    groups = _Groups.of(cp_group, dp_group)
+    distributed = groups.distributed
     missing = log_probs is None or rollout_log_probs is None
     if error is not None and not distributed:
         raise error
@@ -375,7 +390,7 @@ def _reduce(
         if error is not None:
             raise error
         if missing:
-            stats = _missing_table(log_probs, rollout_log_probs, loss_masks, sizes[0])
+            stats = _missing_table(log_probs, rollout_log_probs, loss_masks, groups.sizes[0])
         else:
             if loss_masks is None:
                 raise EssPatchValueError(
@@ -392,14 +407,7 @@ def _reduce(
             raise
         error = exc  # still enter every collective, so that the peers fail with us
     return _reduce_table(
-        stats,
-        missing=missing,
-        error=error,
-        config=config,
-        cp_group=cp_group,
-        dp_group=dp_group,
-        sizes=sizes,
-        on_policy=on_policy,
+        stats, missing=missing, error=error, config=config, groups=groups, on_policy=on_policy
     )
 
 
@@ -409,19 +417,19 @@ def _reduce_table(
     missing: bool,
     error: BaseException | None,
     config: EssLrConfig | None,
-    cp_group: object | None,
-    dp_group: object | None,
-    sizes: tuple[int, int],
+    groups: _Groups,
     on_policy: list[bool] | None = None,
 ) -> tuple[torch.Tensor, tuple[float, float]]:
     """The collectives of :func:`_reduce` on a prepared ``[B, 3]`` trajectory table (None
     with ``error`` set: this rank failed to prepare it, and still enters every collective;
     ``config`` None: this rank's config was not an EssLrConfig, it fails in the envelope;
-    ``sizes``: the CP and DP group sizes). Also returns the calibration every rank continues
-    from (calibration.py: it travels in the envelopes; this rank's own with no peers). While
+    ``groups``: the CP and DP groups and their sizes). Also returns the calibration every
+    rank continues from (calibration.py: it travels in the envelopes; this rank's own with no
+    peers). While
     calibrating, each row also holds the summary of the rank's on-policy trajectories
     (``on_policy``; None: all of them)."""
-    cp_size, dp_size = sizes
+    cp_group, dp_group = groups.cp, groups.dp
+    cp_size, dp_size = groups.sizes
     calibrating = config is not None and config.calibrate_rollouts > 0
     agreed = calibration.held(config) if calibrating else NO_CALIBRATION
     origin = None if error is None else origin_rank(error)
