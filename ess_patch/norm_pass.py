@@ -43,7 +43,7 @@ import torch.distributed as dist
 from .errors import EssPatchRuntimeError, EssPatchValueError
 from .per_trajectory import PerTrajectoryGrads
 
-__all__ = ["NormPassResult", "norm_pass"]
+__all__ = ["NormPassResult", "check_finite", "check_terms", "exact_params", "norm_pass"]
 
 PATHS = ("rules", "exact")
 
@@ -67,8 +67,8 @@ def _size(group: Any) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _terms(loss_terms: Callable[[], torch.Tensor]) -> torch.Tensor:
-    terms = loss_terms()
+def check_terms(terms: Any) -> torch.Tensor:
+    """``terms`` as the pass needs them: a 1-D tensor with grad, one term per trajectory."""
     if not isinstance(terms, torch.Tensor) or terms.dim() != 1:
         raise EssPatchValueError(
             "norm_pass: loss_terms() must return a 1-D tensor, one term per trajectory; got "
@@ -82,14 +82,33 @@ def _terms(loss_terms: Callable[[], torch.Tensor]) -> torch.Tensor:
     return terms
 
 
-def _exact(model: torch.nn.Module, terms: torch.Tensor, tp_group: Any) -> tuple[torch.Tensor, int]:
+def _terms(loss_terms: Callable[[], torch.Tensor]) -> torch.Tensor:
+    return check_terms(loss_terms())
+
+
+def check_finite(sq: torch.Tensor) -> None:
+    """Refuse a non-finite squared norm, naming the trajectory."""
+    if not bool(torch.isfinite(sq).all()):
+        index = int((~torch.isfinite(sq)).nonzero()[0, 0])
+        raise EssPatchRuntimeError(
+            f"norm_pass: trajectory {index}'s squared gradient norm is {sq[index].item()}; "
+            "check its log-probs and IS weight (a non-finite loss term)"
+        )
+
+
+def exact_params(model: torch.nn.Module, tp_group: Any) -> list[torch.nn.Parameter]:
+    """The parameters the exact path differentiates on this rank: replicated ones count once
+    over TP (rank 0), sharded ones on every rank."""
     tp_rank = dist.get_rank(tp_group) if _size(tp_group) > 1 else 0
-    # replicated parameters count once over TP (rank 0), sharded ones on every rank
-    params = [
+    return [
         p
         for p in model.parameters()
         if p.requires_grad and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False))
     ]
+
+
+def _exact(model: torch.nn.Module, terms: torch.Tensor, tp_group: Any) -> tuple[torch.Tensor, int]:
+    params = exact_params(model, tp_group)
     sq = torch.zeros(terms.numel(), dtype=torch.float64, device=terms.device)
     held = 0
     for i in range(terms.numel()):
@@ -146,8 +165,9 @@ def norm_pass(
         model: this rank's (unwrapped) model stage.
         loss_terms: runs the forward and returns ``[N]`` per-trajectory terms.
         tp_group: tensor-parallel group (norms summed over it; replicated parameters once).
-        pp_group: pipeline group. Only one stage (``None`` or a group of one) is supported:
-            a pipelined pass needs the schedule to carry the backward between stages.
+        pp_group: pipeline group. Only one stage (``None`` or a group of one): over stages,
+            :func:`ess_patch.pipeline_pass.pipelined_norm_pass` carries the activations down
+            and the gradients back itself.
         path: ``"rules"`` or ``"exact"`` (see the module docstring).
 
     Raises:
@@ -158,9 +178,9 @@ def norm_pass(
         raise EssPatchValueError(f"norm_pass: path={path!r}; give one of {PATHS}")
     if _size(pp_group) > 1:
         raise EssPatchValueError(
-            f"norm_pass: a pipeline of {_size(pp_group)} stages; the norm pass runs on one "
-            "stage only (pipeline_model_parallel_size=1). Use the in-step rewrite "
-            "(PerTrajectoryGrads in finalize_model_grads), which the schedule carries over PP"
+            f"norm_pass: a pipeline of {_size(pp_group)} stages; norm_pass runs one stage's "
+            "whole model. Over stages use ess_patch.pipeline_pass.pipelined_norm_pass (it "
+            "exchanges the activations and gradients itself)"
         )
     t0 = time.perf_counter()
     with torch.enable_grad():
@@ -170,10 +190,5 @@ def norm_pass(
             sq, held = _rules(model, loss_terms, tp_group)
     if _size(tp_group) > 1:
         dist.all_reduce(sq, group=tp_group)
-    if not bool(torch.isfinite(sq).all()):
-        index = int((~torch.isfinite(sq)).nonzero()[0, 0])
-        raise EssPatchRuntimeError(
-            f"norm_pass: trajectory {index}'s squared gradient norm is {sq[index].item()}; "
-            "check its log-probs and IS weight (a non-finite loss term)"
-        )
+    check_finite(sq)
     return NormPassResult(sq_norms=sq, seconds=time.perf_counter() - t0, path=path, held_bytes=held)

@@ -312,21 +312,42 @@ class PerTrajectoryGrads:
                 "keep the embedding and the output layer on one stage"
             )
 
-    def add_exact(self, loss_terms: torch.Tensor) -> None:
+    def add_exact(
+        self,
+        loss_terms: torch.Tensor,
+        grad_output: torch.Tensor | None = None,
+        rows_dim: int = 1,
+    ) -> None:
         """The exact path for modules with no rule: call once per micro-batch, before its
         backward, with ``[b]`` per-trajectory loss terms (their sum is the micro-batch loss).
 
         One ``autograd.grad`` per trajectory w.r.t. the unruled parameters (graph retained for
         the training backward): exact, ``b`` extra backward passes. No-op with no such module.
+
+        A pipeline stage but the last has no loss terms: give its output as ``loss_terms`` and
+        the gradient the next stage sent back as ``grad_output``; trajectory ``i``'s share is
+        that gradient's slice ``i`` along ``rows_dim`` (megatron's ``[s, b, h]``: 1), exact
+        for one trajectory per batch row.
         """
         if not self._exact or not self._capturing:
             return
-        terms = loss_terms.flatten()
         params = [p for s in self._exact for p in s.params.values()]
+        if grad_output is None:
+            roots = [(t, None) for t in loss_terms.flatten()]
+        else:
+            count = grad_output.shape[rows_dim]
+            roots = []
+            for i in range(count):
+                mask = torch.zeros_like(grad_output)
+                mask.select(rows_dim, i).copy_(grad_output.select(rows_dim, i))
+                roots.append((loss_terms, mask))
         self._in_exact = True
         try:
             per = [
-                torch.autograd.grad(t, params, retain_graph=True, allow_unused=True) for t in terms
+                torch.autograd.grad(
+                    root, params, grad_outputs=grad, retain_graph=True, allow_unused=True
+                )
+                for root, grad in roots
             ]
         finally:
             self._in_exact = False
@@ -338,7 +359,7 @@ class PerTrajectoryGrads:
                 pieces[name] = _Piece(full=torch.stack(g).to(_ACC))
                 k += 1
             site.inputs.append(None)
-            site.rows.append(terms.numel())
+            site.rows.append(len(roots))
             site.pieces.append(pieces)
 
     # ---------------------------------------------------------------- capture
