@@ -124,15 +124,22 @@ def _down(
 
 
 def pipelined_forward(
-    forward: Callable[[torch.Tensor | None], torch.Tensor], stage: Stage, *, device: Any = None
+    forward: Callable[[torch.Tensor | None], torch.Tensor],
+    stage: Stage,
+    *,
+    device: Any = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor | None:
     """``forward(input)`` on every stage, without grad; the last stage's output, else None.
 
-    ``forward`` takes the previous stage's activation (None on the first stage) and returns
-    this stage's output (megatron: ``model.set_input_tensor(x)`` then ``model(...)``)."""
+    ``forward`` takes the previous stage's activation (None on the first stage, else in
+    ``dtype``: the model's) and returns this stage's output (megatron:
+    ``model.set_input_tensor(x)`` then ``model(...)``). A stage that fails raises, and so do
+    the stages after it; the caller's next collective must carry the failure to the stages
+    before it (``baseline_hook`` sums the proxy over the stages, NaN from a failed one)."""
     device = device if device is not None else torch.device("cpu")
     with torch.no_grad():
-        _, out, error = _down(forward, stage, device, torch.float32, grad=False)
+        _, out, error = _down(forward, stage, device, dtype, grad=False)
     if error is not None:
         raise error
     return out if stage.last else None
@@ -182,18 +189,28 @@ def pipelined_norm_pass(
     finally:
         if grads is not None:
             grads.remove()
-    # every stage learns whether all got this far, then sums the squares
-    flag = torch.tensor([0.0 if error is None else 1.0], device=device)
-    dist.all_reduce(flag, group=stage.group)
+    # one sum over the stages: the squares (every stage has every trajectory's row, so the
+    # sum is the whole model's) and, last, how many stages failed
+    count = stage.shape[stage.rows_dim]
+    total = torch.zeros(count + 1, dtype=torch.float64, device=device)
+    if error is None and sq is not None and sq.numel() == count:
+        total[:count] = sq.double()
+    elif error is None:
+        error = EssPatchValueError(
+            f"norm_pass: stage {stage.index} measured "
+            f"{None if sq is None else sq.numel()} trajectories; the stage's shape "
+            f"{tuple(stage.shape)} says {count} (dimension {stage.rows_dim})"
+        )
+    total[count] = float(error is not None)
+    dist.all_reduce(total, group=stage.group)
     if error is not None:
         raise error
-    if float(flag) > 0:
+    if float(total[count]) > 0:
         raise EssLrNotAppliedError(
             f"ess-patch: the norm pass failed on another pipeline stage (its own error is in "
             f"that rank's log); stage {stage.index} stops too"
         )
-    sq = sq.double()  # every stage has every trajectory's row: the sum is the whole model's
-    dist.all_reduce(sq, group=stage.group)
+    sq = total[:count]
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(sq, group=tp_group)
     check_finite(sq)

@@ -82,10 +82,10 @@ def brute(model, ids, tokens, w) -> torch.Tensor:
     return torch.stack(out)
 
 
-def _owner(name: str, stages: int) -> int | None:
+def _owner(name: str, stages: int, layers: int) -> int | None:
     """The stage that holds the full model's parameter ``name`` (None: every stage)."""
     if name.startswith("decoder.layers."):
-        return int(name.split(".")[2]) // (LAYERS // stages)
+        return int(name.split(".")[2]) // (layers // stages)
     if name.startswith("embedding."):
         return 0
     if name.startswith(("output_layer.", "decoder.final_layernorm.")):
@@ -93,12 +93,12 @@ def _owner(name: str, stages: int) -> int | None:
     return None
 
 
-def stage_weights(full: dict, stage: int, stages: int) -> dict:
+def stage_weights(full: dict, stage: int, stages: int, layers: int = LAYERS) -> dict:
     """The full model's state dict renamed to one stage's (its layers renumbered from 0)."""
-    per = LAYERS // stages
+    per = layers // stages
     out = {}
     for name, value in full.items():
-        if _owner(name, stages) not in (None, stage):
+        if _owner(name, stages, layers) not in (None, stage):
             continue
         if name.startswith("decoder.layers."):
             k = int(name.split(".")[2])
@@ -109,7 +109,8 @@ def stage_weights(full: dict, stage: int, stages: int) -> dict:
 
 def pp2_norm_pass(path: str, case: str = "normal") -> dict[str, Any]:
     """This stage's result of ``pipelined_norm_pass`` on the same weights and batch as one
-    process's model; ``case``: "fail-last" (the last stage's loss raises), "tied"."""
+    process's model; ``case``: "fail-last" (the last stage's loss raises), "fail-first" (the
+    first stage's forward raises), "tied"."""
     from megatron.core import parallel_state as ps
 
     from ess_patch.demo.cpu import megatron_on_cpu
@@ -141,6 +142,8 @@ def pp2_norm_pass(path: str, case: str = "normal") -> dict[str, Any]:
     )
 
     def forward(x):
+        if case == "fail-first" and first:
+            raise RuntimeError("the forward of the first stage failed on purpose")
         if x is not None:
             model.set_input_tensor(x)
         with megatron_on_cpu():

@@ -43,16 +43,29 @@ def test_pp2_every_stage_gets_the_whole_models_norms(want, path, tmp_path):
 
 
 @pytest.mark.dist
-def test_a_failing_stage_stops_every_stage_with_its_own_error_named(tmp_path):
-    ranks = run_ranks(
+@pytest.mark.parametrize("path", ["rules", "exact"])
+def test_a_failing_stage_stops_every_stage_with_its_own_error_named(path, tmp_path):
+    # the last stage's loss (the backward never starts) and the first stage's forward (the
+    # next stage never gets its input): the failing stage raises its own error, the other one
+    # names it, and neither waits for a message that will not come (the launch is bounded)
+    last = run_ranks(
         pipeline_ranks.pp2_norm_pass,
         pp=2,
-        args=("rules", "fail-last"),
-        tmp_path=tmp_path,
+        args=(path, "fail-last"),
+        tmp_path=tmp_path / "last",
         timeout=120,
     )
-    assert ranks[1]["error"] == "ValueError: the loss of the last stage failed on purpose"
-    assert ranks[0]["error"].startswith("EssLrNotAppliedError") and "stage 1" in ranks[0]["error"]
+    assert last[1]["error"] == "ValueError: the loss of the last stage failed on purpose"
+    assert last[0]["error"].startswith("EssLrNotAppliedError") and "stage 1" in last[0]["error"]
+    first = run_ranks(
+        pipeline_ranks.pp2_norm_pass,
+        pp=2,
+        args=(path, "fail-first"),
+        tmp_path=tmp_path / "first",
+        timeout=120,
+    )
+    assert first[0]["error"] == "RuntimeError: the forward of the first stage failed on purpose"
+    assert first[1]["error"].startswith("EssLrNotAppliedError") and "stage 0" in first[1]["error"]
 
 
 @pytest.mark.dist

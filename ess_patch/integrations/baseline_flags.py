@@ -123,15 +123,11 @@ def validate_baseline(framework: str, args: Any) -> None:
         problems.append("--disable-rewards-normalization (there is no group mean to replace)")
     if (getattr(args, "n_samples_per_prompt", 1) or 1) < 2:
         problems.append("--n-samples-per-prompt below 2 (a group of one has no baseline)")
-    for name, flag_name in (
-        ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
-        ("context_parallel_size", "--context-parallel-size"),
-    ):
-        if (getattr(args, name, 1) or 1) > 1:
-            problems.append(
-                f"{flag_name} {getattr(args, name)} (the norm pass runs one stage "
-                "on whole sequences)"
-            )
+    if (getattr(args, "context_parallel_size", 1) or 1) > 1:
+        problems.append(
+            f"--context-parallel-size {args.context_parallel_size} (the norm pass runs on "
+            "whole sequences)"
+        )
     if getattr(args, "virtual_pipeline_model_parallel_size", None):
         problems.append("--virtual-pipeline-model-parallel-size (one model chunk only)")
     backend = getattr(args, "train_backend", "megatron")

@@ -23,6 +23,12 @@ framework's own ``compute_advantages_and_returns`` runs:
    ``r_i - b*`` (a custom advantage function, another estimator) stops the run on every DP
    rank with :class:`~ess_patch.guard.EssLrNotAppliedError`.
 
+Pipeline parallelism: every stage runs the pass together
+(``ess_patch.pipeline_pass``: activations down, gradients back, point to point) and ends with
+the whole model's norms, so every stage's DP group computes the same ``b*``; the framework
+builds the advantages on the last stage, whose read-back stops every stage. Tied embeddings
+over stages are refused by name.
+
 Shadow mode (``--ess-baseline-shadow`` / ``ESS_LR_BASELINE_SHADOW=1``) runs 1-2 and logs, but
 leaves the rewards alone. Metrics (``train/``): ``ess_baseline_shift`` (mean over groups of
 ``b*`` minus the group mean, in the units of the normalised reward), ``ess_baseline_abs_shift``,
@@ -30,8 +36,8 @@ leaves the rewards alone. Metrics (``train/``): ``ess_baseline_shift`` (mean ove
 and ``ess_baseline_applied`` (1 applied and read back, 0 shadow).
 
 Refused at parse time, by name: an estimator other than grpo / gspo / cispo (the group mean is
-theirs), ``--disable-rewards-normalization`` (no group baseline to replace), pipeline or
-context parallelism and virtual pipelines (the norm pass runs one stage on whole sequences),
+theirs), ``--disable-rewards-normalization`` (no group baseline to replace), context
+parallelism (the norm pass runs on whole sequences) and virtual pipelines (one model chunk),
 ``--n-samples-per-prompt 1``, a training backend other than Megatron (miles' FSDP).
 """
 
@@ -160,31 +166,28 @@ def _coefficients(
     return mask, (None if w is None else w.to(device, torch.float32))
 
 
+def _terms_from(logits: torch.Tensor, ids, host_args: Any, rollout_data: dict, rows: list[int]):
+    """``sum_t w_t log p(y_t)`` per sample of ``rows`` from the model's ``[b, s, V/tp]``."""
+    tp_group = _tp_group()
+    out = []
+    for k, i in enumerate(rows):
+        at, target = _response(rollout_data, i)
+        lp = _token_logp(logits[k, at], ids[k, target], tp_group)
+        mask, w = _coefficients(host_args, rollout_data, i, lp.device, lp.detach())
+        out.append(((mask if w is None else mask * w) * lp).sum())
+    return torch.stack(out)
+
+
 def _terms_fn(model: torch.nn.Module, host_args: Any, rollout_data: dict, rows: list[int]):
     """The norm pass's forward for ``rows``: ``sum_t w_t log p(y_t)`` per sample, padded rows."""
-    tp_group = _tp_group()
     ids, forward = _padded(model, rollout_data, rows)
-
-    def terms() -> torch.Tensor:
-        logits = forward()
-        out = []
-        for k, i in enumerate(rows):
-            at, target = _response(rollout_data, i)
-            lp = _token_logp(logits[k, at], ids[k, target], tp_group)
-            mask, w = _coefficients(host_args, rollout_data, i, lp.device, lp.detach())
-            out.append(((mask if w is None else mask * w) * lp).sum())
-        return torch.stack(out)
-
-    return terms
+    return lambda: _terms_from(forward(), ids, host_args, rollout_data, rows)
 
 
-def _proxy_sq(model: torch.nn.Module, host_args: Any, rollout_data: dict, rows: list[int]):
-    """The forward-only proxy of ``rows``' squared norms: ``sum_t w_t^2 ||onehot - p||^2``
-    (``ess_patch.proxy``) from one forward without grad; TP-reduced inside."""
+def _proxy_from(logits: torch.Tensor, ids, host_args: Any, rollout_data: dict, rows: list[int]):
+    """The forward-only proxy of ``rows``' squared norms from the model's logits:
+    ``sum_t w_t^2 ||onehot - p||^2`` (``ess_patch.proxy``); TP-reduced inside."""
     tp_group = _tp_group()
-    ids, forward = _padded(model, rollout_data, rows)
-    with torch.no_grad():
-        logits = forward()
     start = 0 if tp_group is None else torch.distributed.get_rank(tp_group) * logits.shape[-1]
     out = []
     for k, i in enumerate(rows):
@@ -206,6 +209,28 @@ def _proxy_sq(model: torch.nn.Module, host_args: Any, rollout_data: dict, rows: 
     return torch.cat(out)
 
 
+def _proxy_sq(model: torch.nn.Module, host_args: Any, rollout_data: dict, rows: list[int]):
+    """The proxy from one forward without grad."""
+    ids, forward = _padded(model, rollout_data, rows)
+    with torch.no_grad():
+        logits = forward()
+    return _proxy_from(logits, ids, host_args, rollout_data, rows)
+
+
+def _chunk_norms(
+    model: torch.nn.Module, host_args: Any, rollout_data: dict, rows: list[int], path: str
+) -> tuple[torch.Tensor, float]:
+    """One micro-batch's squared norms and the pass's time, on one stage's whole model."""
+    if path == "proxy":
+        t0 = time.perf_counter()
+        sq = _proxy_sq(model, host_args, rollout_data, rows).cpu()
+        return sq, time.perf_counter() - t0
+    res = norm_pass(
+        model, _terms_fn(model, host_args, rollout_data, rows), tp_group=_tp_group(), path=path
+    )
+    return res.sq_norms.cpu(), res.seconds
+
+
 def _norms(framework: str, host_args: Any, rollout_data: dict) -> tuple[torch.Tensor, float]:
     model = _chunk(framework)
     n = len(rollout_data["rewards"])
@@ -214,25 +239,109 @@ def _norms(framework: str, host_args: Any, rollout_data: dict) -> tuple[torch.Te
     was_training = model.training
     model.eval()  # no dropout: the norms of the policy the step differentiates
     path = baseline_path(host_args)
+    pipelined = _pp_size() > 1
     try:
         for start in range(0, n, size):
             rows = list(range(start, min(n, start + size)))
-            if path == "proxy":
-                t0 = time.perf_counter()
-                sq.append(_proxy_sq(model, host_args, rollout_data, rows).cpu())
-                seconds += time.perf_counter() - t0
-                continue
-            res = norm_pass(
-                model,
-                _terms_fn(model, host_args, rollout_data, rows),
-                tp_group=_tp_group(),
-                path=path,
-            )
-            sq.append(res.sq_norms.cpu())
-            seconds += res.seconds
+            if pipelined:
+                part, took = _stage_norms(model, host_args, rollout_data, rows, path)
+            else:
+                part, took = _chunk_norms(model, host_args, rollout_data, rows, path)
+            sq.append(part)
+            seconds += took
     finally:
         model.train(was_training)
     return (torch.cat(sq) if sq else torch.zeros(0, dtype=torch.float64)), seconds
+
+
+# --- pipeline parallelism: the pass crosses the stages ---------------------------------------
+
+
+def _pp_size() -> int:
+    """Pipeline stages (1 where megatron's parallel_state is not set up)."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 1
+    return parallel_state.get_pipeline_model_parallel_world_size()
+
+
+def _pp_group() -> Any:
+    """The pipeline group, or None (one stage)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_group() if _pp_size() > 1 else None
+
+
+def _is_last_stage() -> bool:
+    from megatron.core import parallel_state
+
+    return parallel_state.is_pipeline_last_stage()
+
+
+def _stage(model: torch.nn.Module, width: int, rows: int) -> Any:
+    """This rank's :class:`~ess_patch.pipeline_pass.Stage` (megatron's ``[s, b, h]``)."""
+    from megatron.core import parallel_state as ps
+
+    from ..pipeline_pass import Stage
+
+    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    return Stage(
+        group=ps.get_pipeline_model_parallel_group(),
+        prev=None if first else ps.get_pipeline_model_parallel_prev_rank(),
+        next=None if last else ps.get_pipeline_model_parallel_next_rank(),
+        shape=(width, rows, int(model.config.hidden_size)),
+        index=ps.get_pipeline_model_parallel_rank(),
+    )
+
+
+def _stage_norms(
+    model: torch.nn.Module, host_args: Any, rollout_data: dict, rows: list[int], path: str
+) -> tuple[torch.Tensor, float]:
+    """:func:`_chunk_norms` over the pipeline: every stage runs it and ends with the whole
+    model's norms (the proxy's, from the last stage's logits, sent to every stage)."""
+    import torch.distributed as dist
+
+    from ..pipeline_pass import pipelined_forward, pipelined_norm_pass
+
+    ids, forward = _padded(model, rollout_data, rows)
+
+    def stage_forward(x: torch.Tensor | None) -> torch.Tensor:
+        if x is not None:
+            model.set_input_tensor(x)
+        return forward()
+
+    stage = _stage(model, ids.shape[1], len(rows))
+    if path != "proxy":
+        res = pipelined_norm_pass(
+            model,
+            stage_forward,
+            lambda logits: _terms_from(logits, ids, host_args, rollout_data, rows),
+            stage,
+            tp_group=_tp_group(),
+            path=path,
+        )
+        return res.sq_norms.cpu(), res.seconds
+    t0 = time.perf_counter()
+    sq = torch.zeros(len(rows), dtype=torch.float64, device=ids.device)
+    error = None
+    try:
+        dtype = next(model.parameters()).dtype
+        logits = pipelined_forward(stage_forward, stage, device=ids.device, dtype=dtype)
+        if logits is not None:
+            sq = _proxy_from(logits, ids, host_args, rollout_data, rows).to(ids.device)
+    except Exception as exc:  # every stage still joins the sum, which carries the failure
+        error = exc
+        sq = torch.full_like(sq, float("nan"))
+    dist.all_reduce(sq, group=stage.group)  # the last stage's, on every stage
+    if error is not None:
+        raise error
+    if not bool(torch.isfinite(sq).all()):
+        raise EssLrNotAppliedError(
+            f"ess-patch: the forward-only proxy is not finite on pipeline stage {stage.index}: "
+            "another stage failed (its own error is in its log) or the logits are not finite"
+        )
+    return sq.cpu(), time.perf_counter() - t0
 
 
 def _group_ids(framework: str, host_args: Any, rollout_data: dict) -> torch.Tensor:
@@ -322,16 +431,22 @@ def check_applied(
     ``fix`` ends the error (the framework's own setting names)."""
     if record["mode"] != "on":
         return
-    bad = _mismatch(host_args, rollout_data, record["expected"])
+    import torch.distributed as dist
+
+    from ..reduction import all_reduce_sum
+
+    pp_group = _pp_group()
+    # the framework's routine builds advantages on the last pipeline stage (the earlier ones
+    # have no log-probs and return early): every stage that has them is checked
+    here = pp_group is None or _is_last_stage() or "advantages" in rollout_data
+    bad = _mismatch(host_args, rollout_data, record["expected"]) if here else -1
     flag = torch.tensor([float(bad >= 0)], dtype=torch.float64)
-    if dp_group is not None:
-        import torch.distributed as dist
-
-        from ..reduction import all_reduce_sum
-
-        flag = all_reduce_sum(flag, dp_group) if dist.get_world_size(dp_group) > 1 else flag
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        flag = all_reduce_sum(flag, dp_group)
+    if pp_group is not None:  # the earlier stages stop with the last
+        flag = all_reduce_sum(flag, pp_group)
     if float(flag) > 0:
-        where = f"sample {bad} of this rank" if bad >= 0 else "another DP rank"
+        where = f"sample {bad} of this rank" if bad >= 0 else "another DP rank or stage"
         raise EssLrNotAppliedError(
             f"ess-patch ({framework}): the VCPO baseline was requested but the advantages of "
             f"{where} are not the rewritten rewards (r - b*): the advantage routine did not "

@@ -55,9 +55,10 @@ def _params():
     ]
 
 
-def _model(tp: int = 1):
+def _model(tp: int = 1, pp: tuple[int, int] | None = None):
     """The GPTModel of every rank; with ``tp`` > 1 this rank's shard of the same weights (CPU
-    initialisation builds each master weight from the seed, then splits it)."""
+    initialisation builds each master weight from the seed, then splits it); with ``pp``
+    (stage, stages) the stage's layers only (the caller loads the whole model's weights)."""
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -74,19 +75,44 @@ def _model(tp: int = 1):
         gated_linear_unit=True,
         activation_func=F.silu,
         tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1 if pp is None else pp[1],
+        pipeline_dtype=torch.float32,
         use_cpu_initialization=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
+    stage, stages = pp or (0, 1)
     torch.manual_seed(0)
     return GPTModel(
         config,
         get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=VOCAB,
         max_sequence_length=max(p + r for p, r in SHAPES),
+        pre_process=stage == 0,
+        post_process=stage == stages - 1,
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
     )
+
+
+def _stage_model():
+    """This pipeline stage of :func:`_model`'s weights (two stages, one layer each)."""
+    from megatron.core import parallel_state as ps
+    from pipeline_ranks import stage_weights
+
+    stage, stages = ps.get_pipeline_model_parallel_rank(), 2
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel()  # one stage, to build the whole model's weights
+    full = _model().state_dict()
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(pipeline_model_parallel_size=stages)
+    model = _model(pp=(stage, stages))
+    missing, unexpected = model.load_state_dict(stage_weights(full, stage, stages, 2), strict=False)
+    assert not unexpected and all(m.endswith("_extra_state") for m in missing), (
+        missing,
+        unexpected,
+    )
+    return model
 
 
 def _rollout(seed: int = 0) -> dict:
@@ -189,7 +215,8 @@ def rank_baseline(fw: str, snapshot: str, case: str) -> dict:
     """This rank's share (sample i on DP rank i % dp) through the real routine, off / shadow /
     on (and, for ``case``, a fault); returns the first-token advantage of each sample.
     ``case`` "tp2": the two ranks are one TP2 group (DP1: every sample on both), the model
-    sharded, the logits vocabulary-parallel."""
+    sharded, the logits vocabulary-parallel; "pp2": two pipeline stages of the same weights
+    (the advantages are built on the last stage only: None on the first)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -200,6 +227,10 @@ def rank_baseline(fw: str, snapshot: str, case: str) -> dict:
     if tp > 1:
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    stage_model = None
+    if case == "pp2":  # before the framework's state object takes the groups
+        with megatron_on_cpu():
+            stage_model = _stage_model()
     use_snapshot(fw, snapshot, tier="full")
     state = None
     if fw == "miles":
@@ -212,12 +243,15 @@ def rank_baseline(fw: str, snapshot: str, case: str) -> dict:
         from slime.backends.megatron_utils.actor import MegatronTrainRayActor
 
     rank, size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    assert size * tp == dist.get_world_size()
+    assert size * tp * ps.get_pipeline_model_parallel_world_size() == dist.get_world_size()
     full = _rollout()
     rows = list(range(rank, len(SHAPES), size))
 
     def local() -> dict:
-        return {k: [v[i] for i in rows] for k, v in full.items()}
+        data = {k: [v[i] for i in rows] for k, v in full.items()}
+        if not ps.is_pipeline_last_stage():  # forward_only keeps its log-probs on the last
+            del data["log_probs"]
+        return data
 
     def compute(args, data):
         f = loss.compute_advantages_and_returns
@@ -231,13 +265,16 @@ def rank_baseline(fw: str, snapshot: str, case: str) -> dict:
     assert ess_patch.patching.is_ours(MegatronTrainRayActor.__dict__["train_actor"])
     actor = object.__new__(MegatronTrainRayActor)
     with megatron_on_cpu():
-        actor.model = [_model(tp)]
+        actor.model = [stage_model if stage_model is not None else _model(tp)]
     out: dict = {"rows": rows}
 
     def run(args, data):
         actor.args = args
         with megatron_on_cpu():  # the body of train_actor that matters here: the routine
             train_actor_wrapper(lambda: compute(args, data), actor, (), {})
+        if "advantages" not in data:  # an earlier pipeline stage: the routine returned early
+            assert not ps.is_pipeline_last_stage()
+            return None
         return [float(a[0]) for a in data["advantages"]]
 
     try:
@@ -256,7 +293,7 @@ def rank_baseline(fw: str, snapshot: str, case: str) -> dict:
             except Exception as exc:  # the test reads the error each rank raised
                 return {"error": f"{type(exc).__name__}: {exc}"}
             return {"error": None}
-        out["plain"] = [float(a[0]) for a in plain["advantages"]]
+        out["plain"] = [float(a[0]) for a in plain["advantages"]] if "advantages" in plain else None
         out["off"] = run(_args(fw, None), local())
         out["shadow"] = run(_args(fw, "shadow"), local())
         out["shadow_metrics"] = baseline_metrics()
@@ -337,6 +374,23 @@ def test_tp2_the_sharded_model_gives_the_same_b_star_as_one_process(fw, snapshot
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize(("fw", "snapshot"), _params()[:1] + _params()[-1:])
+def test_pp2_both_stages_compute_the_b_star_of_one_process(fw, snapshot, tmp_path):
+    # the pass crosses the stages (activations down, gradients back); the routine builds the
+    # advantages on the last stage, and the first stage holds the same record and metrics
+    ranks = run_ranks(
+        rank_baseline, dp=1, pp=2, args=(fw, snapshot, "pp2"), tmp_path=tmp_path, timeout=180
+    )
+    first, last = ranks
+    assert first["on"] is None and first["plain"] is None
+    _check([last], expected_advantages())
+    _check_proxy([last], expected_advantages(proxy=True))
+    for key in ("on_metrics", "proxy_metrics"):
+        for name in ("ess_baseline_shift", "ess_baseline_applied"):
+            assert first[key][name] == last[key][name], (key, name)
+
+
+@pytest.mark.dist
 @pytest.mark.parametrize("case", ["no-actor", "custom-advantages"])
 @pytest.mark.parametrize(("fw", "snapshot"), _params()[:1] + _params()[-1:])
 def test_a_baseline_that_would_not_apply_stops_every_rank(fw, snapshot, case, tmp_path):
@@ -355,7 +409,7 @@ def test_a_baseline_that_would_not_apply_stops_every_rank(fw, snapshot, case, tm
         (["--advantage-estimator", "ppo"], "advantage-estimator ppo"),
         (["--disable-rewards-normalization"], "disable-rewards-normalization"),
         (["--n-samples-per-prompt", "1"], "n-samples-per-prompt"),
-        (["--pipeline-model-parallel-size", "2"], "pipeline-model-parallel-size 2"),
+        (["--context-parallel-size", "2"], "context-parallel-size 2"),
         (["--ess-baseline-shadow"], "both on"),
     ],
 )
