@@ -79,7 +79,8 @@ TRUNC = 1.5  # --rl-importance-sampling-truncation-coef
 REWARDS = [1.0, 0.0, 0.0, 1.0, 1.0, 0.5, 0.0, 1.0, 0.0, 0.0, 0.25, 1.0]
 
 
-def _model():
+def _model(tp: int = 1):
+    """The GPTModel of every rank; with ``tp`` > 1 this rank's shard of the same weights."""
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -95,6 +96,7 @@ def _model():
         add_bias_linear=False,
         gated_linear_unit=True,
         activation_func=F.silu,
+        tensor_model_parallel_size=tp,
         use_cpu_initialization=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -280,12 +282,13 @@ def _advantages_of(batches: list[list[torch.Tensor]], packing: bool) -> list[flo
     return [float(x) for batch in batches for x in batch[1].double()]
 
 
-def rank_prepare(packing: bool = False, case: str = "normal") -> dict:
+def rank_prepare(packing: bool = False, case: str = "normal", tp: int = 1) -> dict:
     """This rank's view of the real ``prepare_data_for_update``: unpatched, then installed off,
     shadow, and on with each path (the advantages the iterator yields, the metrics, what the
     writer got), and on beside ESS-LR; ``case``: a fault instead ("unhooked": the release
     builds its advantages without the hooked routine; "multi-turn": a rollout with two
-    turns), its error."""
+    turns), its error. ``tp`` 2: the two ranks are one TP2 group (the model sharded, the
+    logits vocabulary-parallel; DP1)."""
     from megatron.core import parallel_state as mpu
     from megatron.training import global_vars
 
@@ -309,7 +312,11 @@ def rank_prepare(packing: bool = False, case: str = "normal") -> dict:
     global_vars._GLOBAL_TOKENIZER = tokenizer
     from megatron.rl import rl_utils
 
-    model = _Float32Module(_model())
+    if tp > 1:
+        mpu.destroy_model_parallel()
+        mpu.initialize_model_parallel(tensor_model_parallel_size=tp)
+    with megatron_on_cpu():
+        model = _Float32Module(_model(tp))
     samples = _samples()
     dp_rank, dp = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
     share = G * N // dp
@@ -484,6 +491,18 @@ def test_applied_advantages_are_b_star_from_brute_force_norms(dp, packing, tmp_p
     _check(ranks, packing)
     if dp == 2:  # the middle group lies on both ranks: reduced over DP, not refused
         assert ranks[0]["rules_metrics"]["ess_baseline_split_groups"] == 1.0
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_tp2_the_sharded_model_gives_the_b_star_of_one_process(packing, tmp_path):
+    # the norm pass sums the shards' squares over TP (replicated norms once); the log-probs
+    # and the proxy come from vocabulary-parallel logits; both ranks hold the whole collection
+    ranks = run_ranks(
+        rank_prepare, dp=2, args=(packing, "normal", 2), tmp_path=tmp_path, timeout=300
+    )
+    assert [r["share"] for r in ranks] == [G * N] * 2
+    _check(ranks, packing)
 
 
 @pytest.mark.dist
