@@ -75,6 +75,11 @@ def _chunk(framework: str) -> torch.nn.Module:
             "norms with), so the advantages would keep the group mean. Install ess-patch in "
             "the train actor (ESS_PATCH_AUTO_INSTALL=1) or drop --use-ess-baseline"
         )
+    # the GPTModel inside megatron's wrappers (DDP, Float16Module: each holds it as .module):
+    # its own attributes say the layout (tied embeddings, pre/post process) and it takes the
+    # previous stage's activation (set_input_tensor); the wrappers add nothing the pass needs
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
     return model
 
 

@@ -76,6 +76,8 @@ BASELINE = {
     "test_applied_advantages_are_b_star_from_brute_force_norms[dp2-packed]",
     "test_tp2_the_sharded_model_gives_the_b_star_of_one_process[padded]",
     "test_tp2_the_sharded_model_gives_the_b_star_of_one_process[packed]",
+    "test_pp2_both_stages_give_the_b_star_of_one_process[padded]",
+    "test_pp2_both_stages_give_the_b_star_of_one_process[packed]",
     "test_a_baseline_that_would_not_apply_stops_every_rank[unhooked]",
     "test_a_baseline_that_would_not_apply_stops_every_rank[multi-turn]",
 }

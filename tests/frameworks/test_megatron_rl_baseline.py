@@ -79,8 +79,9 @@ TRUNC = 1.5  # --rl-importance-sampling-truncation-coef
 REWARDS = [1.0, 0.0, 0.0, 1.0, 1.0, 0.5, 0.0, 1.0, 0.0, 0.0, 0.25, 1.0]
 
 
-def _model(tp: int = 1):
-    """The GPTModel of every rank; with ``tp`` > 1 this rank's shard of the same weights."""
+def _model(tp: int = 1, pp: tuple[int, int] | None = None):
+    """The GPTModel of every rank; with ``tp`` > 1 this rank's shard of the same weights; with
+    ``pp`` (stage, stages) that stage's layers (:func:`_stage_model` loads the weights)."""
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -97,19 +98,44 @@ def _model(tp: int = 1):
         gated_linear_unit=True,
         activation_func=F.silu,
         tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1 if pp is None else pp[1],
+        pipeline_dtype=torch.float32,
         use_cpu_initialization=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
+    stage, stages = pp or (0, 1)
     torch.manual_seed(0)
     return GPTModel(
         config,
         get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=VOCAB,
         max_sequence_length=S,
+        pre_process=stage == 0,
+        post_process=stage == stages - 1,
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
     )
+
+
+def _stage_model():
+    """This pipeline stage of :func:`_model`'s weights (two stages, one layer each)."""
+    from megatron.core import parallel_state as ps
+    from pipeline_ranks import stage_weights
+
+    stage, stages = ps.get_pipeline_model_parallel_rank(), 2
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel()  # one stage, to build the whole model's weights
+    full = _model().state_dict()
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(pipeline_model_parallel_size=stages)
+    model = _model(pp=(stage, stages))
+    missing, unexpected = model.load_state_dict(stage_weights(full, stage, stages, 2), strict=False)
+    assert not unexpected and all(m.endswith("_extra_state") for m in missing), (
+        missing,
+        unexpected,
+    )
+    return model
 
 
 class _Writer:
@@ -136,18 +162,26 @@ class _Float32Module(torch.nn.Module):
         super().__init__()
         self.module = module
         self.config = module.config
+        self._input = None  # a later pipeline stage's input, [s, b, h]
+
+    def set_input_tensor(self, tensor):
+        self._input = tensor[0] if isinstance(tensor, list) else tensor
+        self.module.set_input_tensor(tensor)
 
     def forward(self, tokens, position_ids, attention_mask, *, fp32_output=True, **kwargs):
         packed = kwargs.pop("packed_seq_params", None)
         if packed is None:
             return self.module(tokens, position_ids, attention_mask, **kwargs)
         cu = [int(c) for c in packed.cu_seqlens_q]
-        pieces = [
-            self.module(tokens[:, a:b], position_ids[:, a:b], None, **kwargs)
-            for a, b in itertools.pairwise(cu)
-            if b > a
-        ]
-        return torch.cat(pieces, dim=1)
+        pieces = []
+        for a, b in itertools.pairwise(cu):
+            if b <= a:
+                continue
+            if self._input is not None:  # this segment's rows of the previous stage's output
+                self.module.set_input_tensor(self._input[a:b])
+            pieces.append(self.module(tokens[:, a:b], position_ids[:, a:b], None, **kwargs))
+        # logits are [b, s, V]; a stage before the last returns hidden states [s, b, h]
+        return torch.cat(pieces, dim=1 if self.module.post_process else 0)
 
 
 def _samples(seed: int = 0) -> list[dict]:
@@ -316,7 +350,7 @@ def rank_prepare(packing: bool = False, case: str = "normal", tp: int = 1) -> di
         mpu.destroy_model_parallel()
         mpu.initialize_model_parallel(tensor_model_parallel_size=tp)
     with megatron_on_cpu():
-        model = _Float32Module(_model(tp))
+        model = _Float32Module(_stage_model() if case == "pp2" else _model(tp))
     samples = _samples()
     dp_rank, dp = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
     share = G * N // dp
@@ -344,7 +378,7 @@ def rank_prepare(packing: bool = False, case: str = "normal", tp: int = 1) -> di
     ess_patch.install(["megatron", "megatron_rl"])
     out: dict = {"dp_rank": dp_rank, "share": share}
     try:
-        if case != "normal":
+        if case not in ("normal", "pp2"):
             saved = vars(rl_utils)["calculate_grpo_advantages"]
             if case == "unhooked":
                 rl_utils.calculate_grpo_advantages = saved.__wrapped__
@@ -502,6 +536,17 @@ def test_tp2_the_sharded_model_gives_the_b_star_of_one_process(packing, tmp_path
         rank_prepare, dp=2, args=(packing, "normal", 2), tmp_path=tmp_path, timeout=300
     )
     assert [r["share"] for r in ranks] == [G * N] * 2
+    _check(ranks, packing)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_pp2_both_stages_give_the_b_star_of_one_process(packing, tmp_path):
+    # the norm pass crosses the two stages (activations down, gradients back); upstream's
+    # own log-prob passes run through megatron-core's pipeline schedule
+    ranks = run_ranks(
+        rank_prepare, dp=1, pp=2, args=(packing, "pp2"), tmp_path=tmp_path, timeout=300
+    )
     _check(ranks, packing)
 
 
