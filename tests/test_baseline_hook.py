@@ -103,3 +103,65 @@ def test_the_read_back_accepts_r_minus_b_star_and_its_whitening_only():
     ragged = _advantages(want)
     ragged["advantages"][1][0] += 1.0  # not one value per sample
     assert mismatch(plain, ragged, want) == 1
+
+
+def test_pipeline_parallelism_is_served_and_virtual_pipelines_still_refused():
+    validate_baseline("miles", _args(pipeline_model_parallel_size=2))
+    with pytest.raises(ValueError, match="virtual-pipeline"):
+        validate_baseline(
+            "slime", _args(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+        )
+
+
+class _Wrapper(torch.nn.Module):
+    """What megatron's DDP and Float16Module are to the model: a module holding it as
+    ``.module`` and forwarding to it, without its attributes."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+@pytest.mark.parametrize("path", ["rules", "exact"])
+def test_a_wrapped_tied_model_gives_the_norms_of_one_backward_per_sample(path):
+    """The train actor lends megatron's wrapped chunk (DDP(Float16Module(GPTModel))); the
+    wrapper does not say the embeddings are tied, and the rules must still count the output
+    layer's share of the one weight (its cross term with the embedding's)."""
+    pytest.importorskip("megatron.core")
+    from test_per_trajectory_rules import MODERN, _gpt
+
+    from ess_patch.demo.cpu import megatron_on_cpu
+    from ess_patch.demo.policy import single_process
+    from ess_patch.integrations.baseline_hook import _norms
+    from ess_patch.state import STATE
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = [(5, 4), (3, 6), (6, 3)]
+    data = {"tokens": [], "response_lengths": [], "loss_masks": [], "rewards": [0.0] * 3}
+    for prompt, response in lengths:
+        data["tokens"].append(torch.randint(0, 16, (prompt + response,), generator=gen))
+        data["response_lengths"].append(response)
+        data["loss_masks"].append((torch.rand(response, generator=gen) > 0.3).float())
+    host = Namespace(micro_batch_size=2, use_tis=False, ess_baseline_path=path)
+    with single_process():
+        model = _gpt(**{**MODERN, "tied": True})
+        params = [p for p in model.parameters() if p.requires_grad]
+        want = []
+        for i, tokens in enumerate(data["tokens"]):
+            total, resp = tokens.numel(), data["response_lengths"][i]
+            with megatron_on_cpu():
+                logits = model(tokens[None], torch.arange(total)[None], None)[0]
+            logp = torch.log_softmax(logits[total - resp - 1 : total - 1].float(), -1)
+            lp = logp.gather(1, tokens[total - resp :, None]).squeeze(1)
+            term = (data["loss_masks"][i] * lp).sum()
+            want.append(sum(g.double().square().sum() for g in torch.autograd.grad(term, params)))
+        STATE.baseline_model = [_Wrapper(_Wrapper(model))]
+        try:
+            with megatron_on_cpu():
+                got, _ = _norms("miles", host, data)
+        finally:
+            STATE.baseline_model = None
+    assert torch.allclose(got, torch.stack(want), rtol=2e-5), (got, want)
