@@ -350,6 +350,35 @@ def test_tp2_and_dp2_x_tp2_train_on_r_minus_b_star(tmp_path, src):
 
 @needs_verl
 @pytest.mark.dist
+@pytest.mark.parametrize("src", ONE_OF_EACH[:1], ids=lambda p: p.name)
+def test_pp2_both_stages_train_on_r_minus_b_star(tmp_path, src):
+    """Two pipeline stages of the one-process weights: the norm pass crosses them
+    (activations down, gradients back) and every mini-batch on both stages carries A - b*
+    with b* from one backward per trajectory on the whole model, on rules, exact and proxy.
+    (The CPU stand-in of forward_backward_batch has no pipeline schedule: under PP it records
+    what each mini-batch carries and trains on nothing.)"""
+    expect = _expected(tmp_path, src)
+    for path, want in (
+        ("rules", expect["expected"]),
+        ("exact", expect["expected"]),
+        ("proxy", expect["expected_proxy"]),
+    ):
+        env = {"ESS_LR_BASELINE_PATH": path}
+        ranks = run_ranks(
+            _baseline_rank,
+            pp=2,
+            args=(str(src), {"hydra": ON_KEY, "pp": 2, "env": env}),
+            tmp_path=tmp_path / path,
+            timeout=300,
+        )
+        assert [r["pp"] for r in ranks] == [0, 1]
+        for r in ranks:  # each stage alone saw every sample: check them one stage at a time
+            _check_applied(expect, [r], want=want)
+            assert r["metrics"]["actor/ess_baseline_applied"] == [1.0]
+
+
+@needs_verl
+@pytest.mark.dist
 @pytest.mark.parametrize("src", ONE_OF_EACH, ids=lambda p: p.name)
 def test_the_proxy_path_and_ess_lr_beside_it_dp2(tmp_path, src):
     """actor.grad_baselining.path=proxy (the forward-only proxy of verl's Optimal Token
@@ -437,7 +466,6 @@ def test_off_and_shadow_train_bit_identically_to_unpatched_verl(tmp_path, src):
 @pytest.mark.parametrize(
     ("layout", "scenario", "message"),
     [
-        ({"pp": 2}, {"env": {"ESS_LR_BASELINE": "1"}}, "pipeline_model_parallel_size is 2"),
         ({"cp": 2}, {"env": {"ESS_LR_BASELINE": "1"}}, "context_parallel_size is 2"),
         (
             {},
@@ -460,14 +488,14 @@ def test_off_and_shadow_train_bit_identically_to_unpatched_verl(tmp_path, src):
             "are not the rewritten rewards (r - b*)",
         ),
     ],
-    ids=["pp2", "cp2", "gae_advantages", "temperature", "own_dataloader", "read_back"],
+    ids=["cp2", "gae_advantages", "temperature", "own_dataloader", "read_back"],
 )
 @pytest.mark.parametrize("src", ONE_OF_EACH[:1], ids=lambda p: p.name)
 def test_what_the_legacy_actor_cannot_serve_stops_every_rank_first(
     tmp_path, src, layout, scenario, message
 ):
-    """Refused by name on every rank before any step: PP2, CP2 (the norm pass runs one stage
-    on whole sequences), per-token advantages (a critic's GAE: no group mean to replace), a
+    """Refused by name on every rank before any step: CP2 (the norm pass runs whole
+    sequences), per-token advantages (a critic's GAE: no group mean to replace), a
     sampling temperature other than 1, an update_policy dataloader that verl's
     make_minibatch_iterator did not make (nothing was rewritten); and the read-back: mini-batches
     whose advantages changed after the rewrite stop every rank before their step."""

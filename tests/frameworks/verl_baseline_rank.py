@@ -79,9 +79,10 @@ REWARDS = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0]
 ORDER = [0, 4, 1, 5, 2, 6, 3, 7]  # row k of the batch is sample ORDER[k]
 
 
-def gpt_model(tp: int = 1) -> Any:
+def gpt_model(tp: int = 1, pp: tuple[int, int] | None = None) -> Any:
     """megatron-core's GPTModel, local spec: RMSNorm, no bias, SwiGLU, GQA, rope, untied
-    (TP-sharded over ``tp`` ranks: vocabulary-parallel embedding and output layer)."""
+    (TP-sharded over ``tp`` ranks: vocabulary-parallel embedding and output layer; with
+    ``pp`` (stage, stages) that stage's layers: :func:`stage_model` loads the weights)."""
     import torch
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
@@ -99,19 +100,46 @@ def gpt_model(tp: int = 1) -> Any:
         gated_linear_unit=True,
         activation_func=F.silu,
         tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1 if pp is None else pp[1],
+        pipeline_dtype=torch.float32,
         use_cpu_initialization=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
+    stage, stages = pp or (0, 1)
     torch.manual_seed(0)
     return GPTModel(
         config,
         get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=VOCAB,
         max_sequence_length=PROMPT_W + RESP_W,
+        pre_process=stage == 0,
+        post_process=stage == stages - 1,
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
     )
+
+
+def stage_model() -> Any:
+    """This pipeline stage (of two, one layer each) of :func:`gpt_model`'s weights."""
+    from megatron.core import parallel_state as mpu
+    from pipeline_ranks import stage_weights
+
+    stage, stages = mpu.get_pipeline_model_parallel_rank(), 2
+    mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(create_gloo_process_groups=False)  # the whole model's weights
+    full = gpt_model().state_dict()
+    mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(
+        pipeline_model_parallel_size=stages, create_gloo_process_groups=False
+    )
+    model = gpt_model(pp=(stage, stages))
+    missing, unexpected = model.load_state_dict(stage_weights(full, stage, stages, 2), strict=False)
+    assert not unexpected and all(m.endswith("_extra_state") for m in missing), (
+        missing,
+        unexpected,
+    )
+    return model
 
 
 def trajectories(seed: int = 0) -> dict:
@@ -207,13 +235,19 @@ def _ppo_forward(actor: Any, model: Any, seen: list) -> Any:
     log-probs of the mini-batch, one backward per micro-batch; records each row's advantages
     (by sample: the row's tokens)."""
     import torch
+    from megatron.core import parallel_state as mpu
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    staged = mpu.get_pipeline_model_parallel_world_size() > 1
 
     def forward_backward_batch(data: Any, micro_batch_size: Any = None, **_kw: Any) -> dict:
         outputs = []
         for micro in data.batch.split(micro_batch_size or 2):
             for k in range(micro["input_ids"].shape[0]):
                 seen.append((micro["input_ids"][k].tolist(), micro["advantages"][k].tolist()))
+            if staged:  # this stand-in has no pipeline schedule: what it trains on is recorded
+                outputs.append([{"actor/pg_loss": 0.0}, None])
+                continue
             mode = actor.config.policy_loss.get("loss_mode", "vanilla")
             result = get_policy_loss_fn(mode)(
                 old_log_prob=micro["old_log_probs"],
@@ -315,11 +349,16 @@ def run_baseline(src: str, scenario: dict) -> dict:
         mpu.initialize_model_parallel(
             tensor_model_parallel_size=tp, create_gloo_process_groups=False
         )
+    staged = None
+    if scenario.get("pp"):  # two pipeline stages of the one-process weights
+        with megatron_on_cpu():
+            staged = stage_model()
     dp_rank = mpu.get_data_parallel_rank(with_context_parallel=False)
     dp_size = mpu.get_data_parallel_world_size(with_context_parallel=False)
     out: dict[str, Any] = {"dp": dp_rank, "tp": mpu.get_tensor_model_parallel_rank()}
+    out["pp"] = mpu.get_pipeline_model_parallel_rank()
     with megatron_on_cpu():
-        model = gpt_model(tp)
+        model = staged if staged is not None else gpt_model(tp)
         if tp > 1:  # the brute-force expectation on this very model, before the update
             out["expected_here"] = _brute_force_tp(model, scenario.get("seed", 0))
         ddp = DistributedDataParallel(

@@ -7,8 +7,9 @@ first place where the model and the chunk meet, before any mini-batch is drawn; 
 DP rank, :func:`rewrite` does what ``baseline_hook`` does for miles and slime, with the same
 package code:
 
-1. refuses, by name, what the pass cannot serve: pipeline or context parallelism, several
-   model chunks (virtual pipeline), a sampling temperature other than 1, no ``uid``;
+1. refuses, by name, what the pass cannot serve: context parallelism, several model chunks
+   (virtual pipeline), a sampling temperature other than 1, no ``uid`` (pipeline stages run the
+   pass together: ``ess_patch.pipeline_pass``);
 2. checks that the advantages are GRPO-style (one value per trajectory on its response tokens,
    each prompt group's mean zero over DP: ``grpo``, Dr. GRPO, RLOO), else fails closed on
    every DP rank (``gae``, REINFORCE++ and other estimators have no group mean to replace);
@@ -77,13 +78,7 @@ def _check_layout(chosen: BaselineSettings, actor: Any, data: Any) -> None:
     """Step 1: the settings every rank shares that the norm pass cannot serve."""
     from megatron.core import parallel_state as mpu
 
-    pp, cp = mpu.get_pipeline_model_parallel_world_size(), mpu.get_context_parallel_world_size()
-    if pp > 1:
-        _refuse(
-            chosen,
-            f"pipeline_model_parallel_size is {pp} (the norm pass runs one stage)",
-            "Set actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1",
-        )
+    cp = mpu.get_context_parallel_world_size()
     if cp > 1:
         _refuse(
             chosen,

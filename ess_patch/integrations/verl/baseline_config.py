@@ -56,7 +56,7 @@ BASELINE_KEYS = (
 SUPPORTED_BASELINE = (
     "verl's legacy Megatron actor (MegatronPPOActor.update_policy, verl v0.6.0 to v0.7.x; "
     "on v0.7.x trainer.use_legacy_worker_impl other than disable) with "
-    "pipeline_model_parallel_size=1, context_parallel_size=1 and one model chunk, "
+    "context_parallel_size=1 and one model chunk (no virtual pipeline), "
     "and GRPO-style advantages (algorithm.adv_estimator grpo: one value per trajectory, "
     "group mean zero)"
 )
