@@ -205,8 +205,10 @@ def config_from_args(args: Any) -> EssLrConfig:
     Raises:
         ValueError: a value is out of range (the message names the field).
     """
-    base = STATE.config if STATE.config is not None else EssLrConfig.from_env()
-    return replace(base, **given_options(args))
+    given = given_options(args)
+    if STATE.config is None:
+        return EssLrConfig.from_env(**given)  # the flags win over ESS_LR_*, in one build
+    return replace(STATE.config, **given)
 
 
 def shadow_requested(args: Any) -> bool:
