@@ -37,7 +37,7 @@ from typing import Any
 from ...config import EssLrConfig
 from ...errors import EssPatchValueError
 from .. import criterion, report, stats
-from ..train import DemoConfig
+from ..trainer.config import DemoConfig
 from ..warm_start import WarmStart
 
 __all__ = [

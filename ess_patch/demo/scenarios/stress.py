@@ -28,7 +28,7 @@ from typing import Any
 from ...config import EssLrConfig
 from ...errors import EssPatchValueError
 from .. import report, stats
-from ..train import DemoConfig
+from ..trainer.config import DemoConfig
 
 __all__ = ["STRESS", "STRESS_ARMS", "StressResult", "run_stress", "stress_config"]
 
