@@ -4,9 +4,9 @@ Each rank is a forkserver child (torch and megatron-core preloaded once: a launc
 milliseconds, not a fresh import per rank) that joins a gloo world (NCCL with
 ``device="cuda"``: one GPU per rank) through a ``FileStore``, sets up megatron's real
 ``parallel_state.initialize_model_parallel`` with the requested DP x TP x PP layout and runs
-:func:`ess_patch.demo.train.run_rank`. Each rank logs to ``<out>/ranks/rank<r>.log``. A rank
-that raises writes its traceback next to its log and exits at once (its peers then fail fast
-on the closed connections); the others get :data:`FAIL_GRACE_S` seconds, then are stopped,
+:func:`ess_patch.demo.trainer.loop.run_rank`. Each rank logs to ``<out>/ranks/rank<r>.log``.
+A rank that raises writes its traceback next to its log and exits at once (its peers then
+fail fast on the closed connections); the others get :data:`FAIL_GRACE_S` seconds, then are stopped,
 and :class:`DemoError` carries the traceback of the rank that failed first.
 """
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EssPatchError
-from .train import DemoConfig
+from .trainer.config import DemoConfig
 
 __all__ = ["DemoError", "launch"]
 
@@ -42,7 +42,7 @@ PRELOAD = (
     "megatron.core.distributed",
     "megatron.core.models.gpt",
     "megatron.core.pipeline_parallel",
-    "ess_patch.demo.train",
+    "ess_patch.demo.trainer.loop",
 )
 #: Seconds a gloo collective may wait for a peer that is alive but never joins.
 COLLECTIVE_TIMEOUT_S = 300.0
@@ -79,7 +79,7 @@ def _rank_main(rank: int, cfg: DemoConfig, directory: str, progress: Any) -> Non
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from .train import run_rank
+    from .trainer.loop import run_rank
 
     torch.set_num_threads(1)
     try:

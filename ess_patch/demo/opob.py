@@ -63,9 +63,9 @@ class BaselineGlue:
         model: torch.nn.Module,
         ddp: Any = None,
         *,
-        tp_group: Any = None,
-        pp_group: Any = None,
-        dp_group: Any = None,
+        tp_group: dist.ProcessGroup | None = None,
+        pp_group: dist.ProcessGroup | None = None,
+        dp_group: dist.ProcessGroup | None = None,
     ) -> None:
         config = model.config
         original = getattr(config, "finalize_model_grads_func", None)

@@ -102,11 +102,12 @@ def transformer_config(
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
+        # the layout first, then the model's sizes
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
         num_layers=spec.num_layers,
         hidden_size=spec.hidden,
         num_attention_heads=spec.heads,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
         # CPU init draws the full weight from torch's RNG, then shards it: the same seed gives
         # the same model under every tensor-parallel size.
         use_cpu_initialization=device == "cpu",
@@ -143,12 +144,12 @@ def build_policy(
     model = GPTModel(
         config,
         get_gpt_layer_local_spec(),
-        vocab_size=spec.vocab,
-        max_sequence_length=spec.max_len,
         pre_process=pre_process,
         post_process=post_process,
-        share_embeddings_and_output_weights=False,
+        vocab_size=spec.vocab,
+        max_sequence_length=spec.max_len,
         position_embedding_type="learned_absolute",
+        share_embeddings_and_output_weights=False,
     )
     return model.to(device)
 

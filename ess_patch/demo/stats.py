@@ -1,16 +1,17 @@
-"""Paired statistics over seeds for the stress scenario: mean difference, bootstrap CI, wins."""
+"""Paired statistics over seeds for the stress and collapse scenarios: mean difference,
+bootstrap CI, wins."""
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import EssPatchValueError
 
-__all__ = ["Paired", "bootstrap_ci", "paired"]
+__all__ = ["Paired", "bootstrap_ci", "paired", "paired_pairs"]
 
 
 def bootstrap_ci(
@@ -71,3 +72,14 @@ def paired(
         wins=sum(d > 0 for d in diffs),
         n=len(diffs),
     )
+
+
+def paired_pairs(
+    pairs: Sequence[tuple[str, str]], seeds: Sequence[int], final: Callable[[int, str], float]
+) -> list[dict[str, Any]]:
+    """:func:`paired` of each ``(arm, base)`` in ``pairs`` over ``seeds``, as dicts;
+    ``final(seed, arm)``: that run's value."""
+    return [
+        paired(arm, [final(s, arm) for s in seeds], base, [final(s, base) for s in seeds]).to_dict()
+        for arm, base in pairs
+    ]

@@ -37,7 +37,7 @@ from typing import Any
 from ...config import EssLrConfig
 from ...errors import EssPatchValueError
 from .. import criterion, report, stats
-from ..train import DemoConfig
+from ..trainer.config import DemoConfig
 from ..warm_start import WarmStart
 
 __all__ = [
@@ -264,14 +264,7 @@ def summarize(
         pairs.append(("ess+baseline", "baseline"))
     paired = []
     if len(seeds) > 1:
-        for arm, base in pairs:
-            p = stats.paired(
-                arm,
-                [verdicts[s][arm].final for s in seeds],
-                base,
-                [verdicts[s][base].final for s in seeds],
-            )
-            paired.append(p.to_dict())
+        paired = stats.paired_pairs(pairs, seeds, lambda s, arm: verdicts[s][arm].final)
     warnings = {}
     for arm in ("off", "sync"):
         if arm in arms:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import criterion
-from ..train import DemoConfig
+from ..trainer.config import DemoConfig
 from . import collapse
 
 __all__ = ["EIGHT_SEEDS", "HEADLINE", "MAIN_ARMS", "MainResult", "main_config", "run_main"]

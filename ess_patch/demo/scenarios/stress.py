@@ -28,7 +28,7 @@ from typing import Any
 from ...config import EssLrConfig
 from ...errors import EssPatchValueError
 from .. import report, stats
-from ..train import DemoConfig
+from ..trainer.config import DemoConfig
 
 __all__ = ["STRESS", "STRESS_ARMS", "StressResult", "run_stress", "stress_config"]
 
@@ -87,14 +87,7 @@ def _arm_stats(runs: dict[int, dict[str, report.ArmSummary]], arms: Sequence[str
     pairs = [(a, "off") for a in arms if a != "off"]
     if "constant" in arms and "product" in arms:
         pairs.append(("product", "constant"))
-    for arm, base in pairs:
-        p = stats.paired(
-            arm,
-            [runs[s][arm].final_reward for s in seeds],
-            base,
-            [runs[s][base].final_reward for s in seeds],
-        )
-        out["paired"].append(p.to_dict())
+    out["paired"] += stats.paired_pairs(pairs, seeds, lambda s, arm: runs[s][arm].final_reward)
     return out
 
 
@@ -263,13 +256,4 @@ def run_stress(
     figure = out / FIGURE_FILE
     write_figure(summary, records, figure)
     logger.info("stress scenario finished in %.1fs; outputs in %s", wall, out)
-    return StressResult(
-        out_dir=out,
-        table=table,
-        figure=figure,
-        summary_path=summary_path,
-        table_path=table_path,
-        steps_path=steps_path,
-        summary=summary,
-        wall_s=wall,
-    )
+    return StressResult(out, table, figure, summary_path, table_path, steps_path, summary, wall)
