@@ -149,7 +149,8 @@ def _padded(model: torch.nn.Module, rollout_data: dict, rows: list[int]):
 
     def forward() -> torch.Tensor:
         pos = torch.arange(width, device=device)[None].expand(len(rows), -1)
-        return model(ids, pos, None)  # [b, s, V/tp]
+        # by keyword, as the frameworks call it (megatron's GPTModel takes these names)
+        return model(input_ids=ids, position_ids=pos, attention_mask=None)  # [b, s, V/tp]
 
     return ids, forward
 

@@ -20,6 +20,7 @@ float64 reference.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -193,6 +194,32 @@ def schedule(
         for m in range(micro_per_step)
     ]
     return [micro_per_step] * steps, micro
+
+
+class LossSpy:
+    """What the framework's real ``loss_function`` was handed, per sample of each micro-batch:
+    (its tokens, its per-token advantages). Wraps the function the train loop calls (its
+    ``model`` module's name for it); the loss itself runs unchanged."""
+
+    def __init__(self, model_module: Any) -> None:
+        self.seen: list[tuple[list[int], list[float]]] = []
+        real = model_module.loss_function
+
+        def spy(args: Any, batch: Any, *rest: Any, **kw: Any) -> Any:
+            # packed (THD) micro-batches keep each sample's own tokens as "unconcat_tokens"
+            tokens_of = batch["unconcat_tokens"] if "unconcat_tokens" in batch else batch["tokens"]
+            for tokens, adv in zip(tokens_of, batch["advantages"], strict=True):
+                self.seen.append((tokens.tolist(), adv.tolist()))
+            return real(args, batch, *rest, **kw)
+
+        self._patcher = mock.patch.object(model_module, "loss_function", spy)
+
+    def __enter__(self) -> LossSpy:
+        self._patcher.start()
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        self._patcher.stop()
 
 
 def slime_rollout_data(
@@ -398,6 +425,7 @@ def slime_train(
     num: int = 8,
     seed: int = 0,
     uneven: tuple[list[int], list[list[int]]] | None = None,
+    spy: bool = False,
 ) -> dict[str, Any]:
     """``rollouts`` rollouts of ``num`` samples (all DP ranks together) through slime's real
     ``train_actor``, inside an initialised world; ess-patch installed by the caller. Each
@@ -451,6 +479,7 @@ def slime_train(
                 else None,
                 uneven=uneven,
             )
+            data["sample_indices"] = list(local)  # the rollout manager's numbering
             timer = Timer()
             if "train_wait" not in timer.start_time:
                 timer.start("train_wait")
@@ -463,9 +492,14 @@ def slime_train(
                         0.1 * torch.randn(len(lp), generator=g) for lp in data["rollout_log_probs"]
                     ]
                 }
-            actor.train_actor(rollout_id, data, external_data=external)
+            import slime.backends.megatron_utils.model as model_module
+
+            with LossSpy(model_module) if spy else contextlib.nullcontext() as seen:
+                actor.train_actor(rollout_id, data, external_data=external)
             out["rollouts"].append(
                 {
+                    "weights": current,
+                    "loss_saw": seen.seen if spy else None,
                     "samples": samples,
                     "local": local,
                     "micro_batch_indices": data["micro_batch_indices"],
@@ -564,6 +598,7 @@ def miles_train(
     rollouts: int = 2,
     num: int = 8,
     seed: int = 0,
+    spy: bool = False,
 ) -> dict[str, Any]:
     """As :func:`slime_train`, through miles' real ``train_actor`` (miles splits the rollout
     into steps itself: ``global_batch_size`` samples each, ``micro_batch_size`` per
@@ -612,6 +647,7 @@ def miles_train(
                 "rewards": [s["reward"] for s in picked],
                 "raw_reward": [s["reward"] for s in picked],
                 "rollout_log_probs": [s["rollout_log_probs"] for s in picked],
+                "sample_indices": list(local),  # the rollout manager's numbering
             }
             timer = Timer()
             if "train_wait" not in timer.start_time:
@@ -623,14 +659,19 @@ def miles_train(
             saved = torch.cuda.mem_get_info, torch.cuda.synchronize
             torch.cuda.mem_get_info = lambda *_a: (1 << 30, 1 << 30)
             torch.cuda.synchronize = lambda *_a: None
+            import miles.backends.megatron_utils.model as model_module
+
             try:
-                actor.train_actor(rollout_id, data, witness_info=None, attempt=0)
+                with LossSpy(model_module) if spy else contextlib.nullcontext() as seen:
+                    actor.train_actor(rollout_id, data, witness_info=None, attempt=0)
             finally:
                 torch.cuda.mem_get_info, torch.cuda.synchronize = saved
             per_step = args.global_batch_size // dp_size
             steps = len(recorder.steps) - first_step
             out["rollouts"].append(
                 {
+                    "weights": current,
+                    "loss_saw": seen.seen if spy else None,
                     "samples": samples,
                     "local": local,
                     "micro_batch_indices": [
