@@ -67,15 +67,8 @@ from ..state import STATE, armed, disarm
 from . import Integration
 from .baseline_flags import ENV_ON, ENV_SHADOW, baseline_mode, baseline_path
 from .binding import bind
-from .rl_hooks import (
-    Framework,
-    compose_custom_arguments,
-    config_from_args,
-    ess_metrics,
-    megatron_groups,
-    shadow_requested,
-    validate,
-)
+from .flags import compose_custom_arguments, config_from_args, shadow_requested
+from .framework import Framework, ess_metrics, megatron_groups, validate
 from .shapes import Aspect, Feature, History, Shape
 
 __all__ = ["MEGATRON_RL", "MEGATRON_RL_FRAMEWORK", "MEGATRON_RL_HISTORY"]

@@ -65,14 +65,12 @@ from . import Integration
 from .baseline_flags import train_actor_wrapper
 from .binding import bind, call_with
 from .flags import config_from_args
+from .framework import Framework, Groups, ess_metrics
 from .loss_ledger import loss_targets, per_step_reason, steps_per_rollout_refusal
-from .rl_hooks import (
-    Framework,
-    Groups,
+from .miles_slime import (
     advantage_wrapper,
     common_targets,
     critic_wrapper,
-    ess_metrics,
     published_wrapper,
     rollout_logprobs_only,
 )

@@ -59,16 +59,9 @@ from . import Integration
 from .baseline_flags import train_actor_wrapper
 from .binding import bind, call_with
 from .flags import config_from_args
+from .framework import Framework, ess_metrics, megatron_groups
 from .loss_ledger import loss_targets, per_step_reason, steps_per_rollout_refusal
-from .rl_hooks import (
-    METRIC_PREFIX,
-    Framework,
-    common_targets,
-    critic_wrapper,
-    ess_metrics,
-    megatron_groups,
-    rollout_logprobs_only,
-)
+from .miles_slime import METRIC_PREFIX, common_targets, critic_wrapper, rollout_logprobs_only
 from .shapes import Aspect, Feature, History, Shape
 
 #: the integration's name (install(), the registry, the shape history)
