@@ -24,8 +24,9 @@ from ..guard import arm, check_applier, refuse
 from ..patching import MissingTargetError, Target
 from ..result import EssLrResult
 from ..state import STATE, disarm, set_role
+from . import Integration
 from .actors import check_actors_patched, check_in_actor, resolve_in_driver
-from .baseline_flags import baseline_mode, validate_baseline
+from .baseline_flags import baseline_mode, train_actor_wrapper, validate_baseline
 from .binding import bind, call_with
 from .flags import add_ess_arguments, compose_custom_arguments, config_from_args, shadow_requested
 from .framework import (
@@ -42,6 +43,7 @@ from .loss_ledger import per_step_reason, start_run
 __all__ = [
     "Framework",
     "Groups",
+    "actor_targets",
     "add_ess_arguments",
     "advantage_wrapper",
     "applied_metrics",
@@ -50,6 +52,7 @@ __all__ = [
     "config_from_args",
     "critic_wrapper",
     "ess_metrics",
+    "integration",
     "megatron_groups",
     "parse_args_wrapper",
     "result_metrics",
@@ -354,6 +357,51 @@ def _missing(framework: Framework, rollout_data: dict, shadow: bool) -> None:
         framework.name,
         missing,
         fix,
+    )
+
+
+def actor_targets(name: str, actor: str) -> tuple[Target, Target]:
+    """``MegatronTrainRayActor``'s ``train_critic`` (the critic's role, decorated
+    ``<name>_train_critic``) and ``train_actor`` (the model lent to the baseline's norm pass,
+    monkeypatched only) in module ``actor``: both frameworks have them."""
+    return (
+        Target(
+            actor,
+            "MegatronTrainRayActor",
+            "train_critic",
+            critic_wrapper,
+            decorator=f"{name}_train_critic",
+        ),
+        Target(
+            actor,
+            "MegatronTrainRayActor",
+            "train_actor",
+            train_actor_wrapper,
+            required=False,
+            vendored=False,
+        ),
+    )
+
+
+def integration(
+    framework: Framework,
+    *,
+    snapshot: str,
+    supported: str,
+    arguments_module: str,
+    advantage_sites: tuple[str, ...],
+    targets: tuple[Target, ...],
+) -> Integration:
+    """A miles / slime :class:`~ess_patch.integrations.Integration` (no pip distribution):
+    :func:`common_targets` first, then the framework's own ``targets``; its shapes are
+    ``framework.history``."""
+    return Integration(
+        name=framework.name,
+        snapshot=snapshot,
+        distribution=None,
+        supported=supported,
+        targets=(*common_targets(framework, arguments_module, advantage_sites), *targets),
+        history=framework.history,
     )
 
 

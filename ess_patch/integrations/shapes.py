@@ -79,9 +79,14 @@ class Feature:
                 names = inspect.signature(holder).parameters
             except (TypeError, ValueError):
                 return f"{self.module}.{self.symbol} has no readable signature"
-            lacking = [p for p in self.parameters if p not in names]
-            if lacking:
-                return f"{self.module}.{self.symbol} has no parameter {', '.join(lacking)}"
+            return self.lacking(names)
+        return None
+
+    def lacking(self, names: Any) -> str | None:
+        """None when every one of ``parameters`` is in ``names``, else what is missing."""
+        lacking = [p for p in self.parameters if p not in names]
+        if lacking:
+            return f"{self.module}.{self.symbol} has no parameter {', '.join(lacking)}"
         return None
 
 
@@ -118,11 +123,7 @@ class MethodTakes(Feature):
             holder = getattr(holder, part, None)
             if holder is None:
                 return f"{self.module}.{self.symbol} does not exist"
-        names = inspect.signature(undecorated(holder)).parameters
-        lacking = [p for p in self.parameters if p not in names]
-        if lacking:
-            return f"{self.module}.{self.symbol} has no parameter {', '.join(lacking)}"
-        return None
+        return self.lacking(inspect.signature(undecorated(holder)).parameters)
 
 
 @dataclass(frozen=True)
