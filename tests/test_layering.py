@@ -27,8 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # +2 each for the early warning (collapse_warning feeds early_warning's rule, whose first
 # result also builds it, checking its settings in config): 11 and 19.
 # Issue 35 adds three, each a check of the fail-closed guard: the actor's args checked
-# (rl_hooks > actors), arm() through the guard (guard > state > guard), the applied LR read
-# back at the step (attach > guard).
+# (rl_hooks, now miles_slime, > actors), arm() through the guard (guard > state > guard), the
+# applied LR read back at the step (attach > guard). Issue 40 (rl_hooks split into
+# miles_slime and framework, verl a folder): 13 and 20 before and after.
 MAX_REENTRIES = {"rollout": 13, "step": 20}
 
 
