@@ -20,8 +20,8 @@ from .integrations import slime as _slime
 from .integrations import verl as _verl
 from .integrations.loss_ledger import log_probs_wrapper, policy_loss_wrapper
 from .integrations.miles import MILES_FRAMEWORK
+from .integrations.miles_slime import advantage_wrapper, critic_wrapper, parse_args_wrapper
 from .integrations.registry import COMMIT, COMPONENTS, DECORATORS
-from .integrations.rl_hooks import advantage_wrapper, critic_wrapper, parse_args_wrapper
 from .integrations.slime import SLIME_FRAMEWORK
 from .lr import step_wrapper
 from .patching import VENDORED_MARK, is_vendored

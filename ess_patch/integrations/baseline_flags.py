@@ -18,6 +18,7 @@ __all__ = [
     "baseline_metrics",
     "baseline_mode",
     "baseline_path",
+    "parallel_problems",
     "train_actor_wrapper",
     "validate_baseline",
 ]
@@ -123,13 +124,7 @@ def validate_baseline(framework: str, args: Any) -> None:
         problems.append("--disable-rewards-normalization (there is no group mean to replace)")
     if (getattr(args, "n_samples_per_prompt", 1) or 1) < 2:
         problems.append("--n-samples-per-prompt below 2 (a group of one has no baseline)")
-    if (getattr(args, "context_parallel_size", 1) or 1) > 1:
-        problems.append(
-            f"--context-parallel-size {args.context_parallel_size} (the norm pass runs on "
-            "whole sequences)"
-        )
-    if getattr(args, "virtual_pipeline_model_parallel_size", None):
-        problems.append("--virtual-pipeline-model-parallel-size (one model chunk only)")
+    problems.extend(parallel_problems(args))
     backend = getattr(args, "train_backend", "megatron")
     if backend not in (None, "megatron"):
         problems.append(f"--train-backend {backend} (the norm pass runs on the Megatron actor)")
@@ -140,6 +135,21 @@ def validate_baseline(framework: str, args: Any) -> None:
             f"{flag} is not supported with " + "; ".join(problems) + f" ({framework}). "
             f"Drop {flag} or change that setting"
         )
+
+
+def parallel_problems(args: Any) -> list[str]:
+    """The model-parallel settings the norm pass cannot serve (miles, slime, Megatron-RL: the
+    same Megatron flags), each as a problem for the refusal's message."""
+    problems = []
+    # pipeline stages run the pass together (ess_patch.pipeline_pass): served
+    if (getattr(args, "context_parallel_size", 1) or 1) > 1:
+        problems.append(
+            f"--context-parallel-size {args.context_parallel_size} (the norm pass runs on "
+            "whole sequences)"
+        )
+    if getattr(args, "virtual_pipeline_model_parallel_size", None):
+        problems.append("--virtual-pipeline-model-parallel-size (one model chunk only)")
+    return problems
 
 
 # --- the model the norm pass runs ------------------------------------------------------------

@@ -58,7 +58,7 @@ def start_run(
     shadow: bool = False,
 ) -> LedgerRun:
     """Measure this rollout inside the policy loss (``reason``: why), over ``groups`` (an
-    ``rl_hooks.Groups``: the CP / DP / PP groups of this rank)."""
+    ``framework.Groups``: the CP / DP / PP groups of this rank)."""
     run = LedgerRun(
         framework=framework,
         reason=reason,

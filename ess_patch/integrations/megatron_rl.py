@@ -44,8 +44,8 @@ VCPO's baseline (``--use-ess-baseline`` / ``--ess-baseline-shadow`` / ``--ess-ba
 - ``maybe_log_training_metrics``: the read-back (up to core_v0.16 it runs inside the
   collection), then ``ess_baseline_*`` beside the ESS metrics, in the same writers.
 
-Refused at parse time by name (:func:`validate_megatron_rl_baseline`): PP, CP, virtual
-pipelines, ``--grpo-group-size`` below 2, a tree without ``calculate_grpo_advantages``
+Refused at parse time by name (:func:`validate_megatron_rl_baseline`): CP, virtual
+pipelines (pipeline stages run the norm pass together), ``--grpo-group-size`` below 2, a tree without ``calculate_grpo_advantages``
 (radixark's fork computes the advantages inline), an unpatched routine (a tree patched with
 the ``patches/`` series only); at run time, on every rank: multi-turn rollouts, groups of
 unequal size, a collection that does not split evenly over DP.
@@ -65,17 +65,10 @@ from ..guard import refuse
 from ..patching import MissingTargetError, Target, is_ours
 from ..state import STATE, armed, disarm
 from . import Integration
-from .baseline_flags import ENV_ON, ENV_SHADOW, baseline_mode, baseline_path
+from .baseline_flags import ENV_ON, ENV_SHADOW, baseline_mode, baseline_path, parallel_problems
 from .binding import bind
-from .rl_hooks import (
-    Framework,
-    compose_custom_arguments,
-    config_from_args,
-    ess_metrics,
-    megatron_groups,
-    shadow_requested,
-    validate,
-)
+from .flags import compose_custom_arguments, config_from_args, shadow_requested
+from .framework import Framework, ess_metrics, megatron_groups, validate
 from .shapes import Aspect, Feature, History, Shape
 
 __all__ = ["MEGATRON_RL", "MEGATRON_RL_FRAMEWORK", "MEGATRON_RL_HISTORY"]
@@ -463,44 +456,46 @@ def _run_then_compute(
     return out
 
 
-def align_wrapper(wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Unpacked: after upstream aligns the inference log-probs, arm this collection's ESS."""
+def _beside(
+    wrapped: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    aspect: str,
+    inputs: Callable[[dict[str, Any], Any, bool], Callable[[Any], Rows]],
+) -> Any:
+    """With ESS-LR (or shadow mode) on: the call bound (``aspect``'s shape checked), then
+    upstream run and this collection's ESS armed from ``inputs(call, host, shadow)``, which
+    builds the rows from upstream's output (:func:`_run_then_compute`)."""
     enabled = _enabled()
     if enabled is None:
         return wrapped(*args, **kwargs)
     host, shadow = enabled
-    call = _call(wrapped, "unpacked", args, kwargs)
+    build = inputs(_call(wrapped, aspect, args, kwargs), host, shadow)
+    return _run_then_compute(wrapped, args, kwargs, host, shadow, build)
+
+
+def _aligned(call: dict[str, Any], host: Any, shadow: bool) -> Callable[[Any], Rows]:
     inference, old, masks = (call.get(name) for name in _UNPACKED)
     if inference is None:  # upstream would fail on it with a TypeError, on this rank only
         _compute_and_arm(host, lambda: _unpacked_inputs(None, old, masks, old), shadow)
-    return _run_then_compute(
-        wrapped,
-        args,
-        kwargs,
-        host,
-        shadow,
-        lambda padded: _unpacked_inputs(inference, old, masks, padded),
-    )
+    return lambda padded: _unpacked_inputs(inference, old, masks, padded)
+
+
+def _packed(call: dict[str, Any], _host: Any, _shadow: bool) -> Callable[[Any], Rows]:
+    filled = MEGATRON_RL_HISTORY.choose("packed").adapter(call)
+    return lambda _out: _packed_inputs(*(call.get(name) for name in _PACKED), filled)
+
+
+def align_wrapper(wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Unpacked: after upstream aligns the inference log-probs, arm this collection's ESS."""
+    return _beside(wrapped, args, kwargs, "unpacked", _aligned)
 
 
 def packed_stats_wrapper(
     wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict
 ) -> Any:
     """Packed: beside upstream's mismatch statistics, arm this collection's ESS."""
-    enabled = _enabled()
-    if enabled is None:
-        return wrapped(*args, **kwargs)
-    host, shadow = enabled
-    call = _call(wrapped, "packed", args, kwargs)
-    filled = MEGATRON_RL_HISTORY.choose("packed").adapter(call)
-    return _run_then_compute(
-        wrapped,
-        args,
-        kwargs,
-        host,
-        shadow,
-        lambda _out: _packed_inputs(*(call.get(name) for name in _PACKED), filled),
-    )
+    return _beside(wrapped, args, kwargs, "packed", _packed)
 
 
 def _baseline_on(host: Any) -> bool:
@@ -610,8 +605,8 @@ def log_metrics_wrapper(
 
 BASELINE_SUPPORTED = (
     "Megatron-LM core_v0.16.1 to core_v0.18.2 (megatron.rl.rl_utils.calculate_grpo_advantages"
-    "(rewards, num_turns)), installed with ess_patch.install(); one pipeline stage, no context "
-    "parallelism, single-turn rollouts"
+    "(rewards, num_turns)), installed with ess_patch.install(); one model chunk (no virtual "
+    "pipeline), no context parallelism, single-turn rollouts"
 )
 
 
@@ -635,17 +630,7 @@ def validate_megatron_rl_baseline(parsed: Any) -> None:
             "--ess-baseline-shadow" if getattr(parsed, "ess_baseline_shadow", None) else ENV_SHADOW
         )
     )
-    problems = []
-    for name, flag in (
-        ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
-        ("context_parallel_size", "--context-parallel-size"),
-    ):
-        if (getattr(parsed, name, 1) or 1) > 1:
-            problems.append(
-                f"{flag} {getattr(parsed, name)} (the norm pass runs one stage on whole sequences)"
-            )
-    if getattr(parsed, "virtual_pipeline_model_parallel_size", None):
-        problems.append("--virtual-pipeline-model-parallel-size (one model chunk only)")
+    problems = parallel_problems(parsed)
     if (getattr(parsed, "grpo_group_size", 2) or 0) < 2:
         problems.append(
             f"--grpo-group-size {getattr(parsed, 'grpo_group_size', None)} (a group of one has "

@@ -61,18 +61,14 @@ from typing import Any
 from ..attach import attach
 from ..errors import EssPatchValueError
 from ..patching import Target
-from . import Integration
-from .baseline_flags import train_actor_wrapper
 from .binding import bind, call_with
 from .flags import config_from_args
+from .framework import Framework, Groups, ess_metrics
 from .loss_ledger import loss_targets, per_step_reason, steps_per_rollout_refusal
-from .rl_hooks import (
-    Framework,
-    Groups,
+from .miles_slime import (
+    actor_targets,
     advantage_wrapper,
-    common_targets,
-    critic_wrapper,
-    ess_metrics,
+    integration,
     published_wrapper,
     rollout_logprobs_only,
 )
@@ -351,13 +347,13 @@ _ADVANTAGE_SITES = (_LOSS, _ACTOR, _FSDP)
 _LOG_SITES = (_LOG, "miles.backends.megatron_utils.model", _FSDP)
 
 
-MILES = Integration(
-    name=NAME,
+MILES = integration(
+    MILES_FRAMEWORK,
     snapshot=SNAPSHOT,
-    distribution=None,
     supported=SUPPORTED,
+    arguments_module="miles.utils.arguments",
+    advantage_sites=_ADVANTAGE_SITES,
     targets=(
-        *common_targets(MILES_FRAMEWORK, "miles.utils.arguments", _ADVANTAGE_SITES),
         # the policy loss: in loss_hub/losses.py from 2026-05-21 (its log-probs from
         # loss_hub/logit_processors.py), both in loss.py before
         *loss_targets(
@@ -385,21 +381,7 @@ MILES = Integration(
             fsdp_train_core_wrapper,
             decorator="miles_fsdp_train_core",
         ),
-        Target(
-            _ACTOR,
-            "MegatronTrainRayActor",
-            "train_critic",
-            critic_wrapper,
-            decorator="miles_train_critic",
-        ),
-        Target(
-            _ACTOR,
-            "MegatronTrainRayActor",
-            "train_actor",
-            train_actor_wrapper,
-            required=False,
-            vendored=False,
-        ),
+        *actor_targets(NAME, _ACTOR),
         Target(
             _ACTOR,
             "MegatronTrainRayActor",
@@ -424,5 +406,4 @@ MILES = Integration(
             required=False,
         ),
     ),
-    history=MILES_HISTORY,
 )

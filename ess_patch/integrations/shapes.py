@@ -3,7 +3,9 @@
 miles and slime move things between commits: where the process groups live, the advantage
 hook's parameters, which module holds the train-step log. A framework lists, per
 :class:`Aspect`, the :class:`Shape` s it has had (newest first), each with the
-:class:`Feature` s (module, symbol, parameter names) that identify it. The first shape whose
+:class:`Feature` s (module, symbol, parameter names) that identify it; the probes beside it
+are :class:`ModuleFound` (found without importing it), :class:`ModuleGone` (a module removed)
+and :class:`MethodTakes` (parameters read through the host's decorators). The first shape whose
 features are all present is chosen -- by feature, never by commit id -- when a module that
 needs the answer is imported (``Aspect.when``), or when ``--use-ess-lr`` is parsed, and is
 recorded on the :class:`History` (forgotten by ``uninstall()`` and ``state.reset()``) for
@@ -18,13 +20,15 @@ import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib.util import find_spec
 from typing import Any
 
 from ..errors import EssPatchKeyError
 from ..patching import MissingTargetError
 from ..state import register_cache
+from .binding import undecorated
 
-__all__ = ["Aspect", "Feature", "History", "Shape"]
+__all__ = ["Aspect", "Feature", "History", "MethodTakes", "ModuleFound", "ModuleGone", "Shape"]
 
 _ABSENT = object()
 
@@ -75,10 +79,59 @@ class Feature:
                 names = inspect.signature(holder).parameters
             except (TypeError, ValueError):
                 return f"{self.module}.{self.symbol} has no readable signature"
-            lacking = [p for p in self.parameters if p not in names]
-            if lacking:
-                return f"{self.module}.{self.symbol} has no parameter {', '.join(lacking)}"
+            return self.lacking(names)
         return None
+
+    def lacking(self, names: Any) -> str | None:
+        """None when every one of ``parameters`` is in ``names``, else what is missing."""
+        lacking = [p for p in self.parameters if p not in names]
+        if lacking:
+            return f"{self.module}.{self.symbol} has no parameter {', '.join(lacking)}"
+        return None
+
+
+@dataclass(frozen=True)
+class ModuleFound(Feature):
+    """A module that exists, found without importing it (``find_spec``): a check must not
+    pull a heavy module into every process that imports its parent (verl's engine path
+    imports datasets, ray... and is checked when ``verl.workers`` is imported)."""
+
+    symbol: str = ""
+
+    def missing(self) -> str | None:
+        try:
+            found = find_spec(self.module) is not None
+        except ModuleNotFoundError:  # a parent package is missing
+            found = False
+        return None if found else f"module {self.module} does not exist"
+
+    def __str__(self) -> str:
+        return self.module
+
+
+class MethodTakes(Feature):
+    """A method that takes ``parameters`` by name once the host's decorators are looked
+    through (``binding.undecorated``: verl's ``GPUMemoryLogger`` on ``update_policy`` has no
+    ``functools.wraps``)."""
+
+    def missing(self) -> str | None:
+        gone = ModuleFound(self.module).missing()
+        if gone is not None:
+            return gone
+        holder: Any = importlib.import_module(self.module)
+        for part in self.symbol.split("."):
+            holder = getattr(holder, part, None)
+            if holder is None:
+                return f"{self.module}.{self.symbol} does not exist"
+        return self.lacking(inspect.signature(undecorated(holder)).parameters)
+
+
+@dataclass(frozen=True)
+class ModuleGone(ModuleFound):
+    """A module that does NOT exist (verl's legacy actor, removed in v0.8.0)."""
+
+    def missing(self) -> str | None:
+        return None if super().missing() is not None else f"module {self.module} exists"
 
 
 @dataclass(frozen=True)

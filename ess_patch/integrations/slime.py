@@ -23,13 +23,10 @@ other file to read).
   the log-probs it returns to that call.
 - ``log`` (in the module of the table below): adds ``train/lr_scale``, ``train/rho_ess``... to
   the train-step record (``step_key="train/step"``).
-- ``MegatronTrainRayActor.train_actor``: with ``--use-ess-baseline`` (VCPO's baseline,
-  ``integrations/baseline_flags.py``, ``baseline_hook.py``), lends ``self.model`` to the
-  advantage hook for the call,
-  which then rewrites the rewards to ``r - b*`` before the routine and reads the advantages
-  back (install() only: no ``patches/`` series carries it yet).
-- ``MegatronTrainRayActor.train_critic``: makes its process the critic before the advantage
-  hook runs (never measured, scaled or logged as a policy).
+- ``MegatronTrainRayActor.train_actor`` and ``MegatronTrainRayActor.train_critic``: as in
+  miles (both built by ``miles_slime.actor_targets``): the first lends ``self.model`` to the
+  advantage hook for VCPO's baseline (``--use-ess-baseline``; install() only), the second
+  makes its process the critic before the advantage hook runs (never measured or scaled).
 
 slime has no ParallelState object: the groups come from megatron's ``parallel_state``
 throughout. ``compute_advantages_and_returns(args, rollout_data)`` lives in
@@ -55,20 +52,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ..patching import Target
-from . import Integration
-from .baseline_flags import train_actor_wrapper
 from .binding import bind, call_with
 from .flags import config_from_args
+from .framework import Framework, ess_metrics, megatron_groups
 from .loss_ledger import loss_targets, per_step_reason, steps_per_rollout_refusal
-from .rl_hooks import (
-    METRIC_PREFIX,
-    Framework,
-    common_targets,
-    critic_wrapper,
-    ess_metrics,
-    megatron_groups,
-    rollout_logprobs_only,
-)
+from .miles_slime import METRIC_PREFIX, actor_targets, integration, rollout_logprobs_only
 from .shapes import Aspect, Feature, History, Shape
 
 #: the integration's name (install(), the registry, the shape history)
@@ -175,7 +163,7 @@ def _no_input_reason(args: argparse.Namespace) -> str | None:
 
 
 SLIME_FRAMEWORK = Framework(
-    name=NAME,
+    NAME,
     groups=megatron_groups,
     no_input_reason=_no_input_reason,
     unsupported_reason=_unsupported_reason,
@@ -203,13 +191,13 @@ def log_wrapper(wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs
 _ACTOR = "slime.backends.megatron_utils.actor"
 _ADVANTAGE_SITES = (_LOSS, _ACTOR)
 
-SLIME = Integration(
-    name=NAME,
+SLIME = integration(
+    SLIME_FRAMEWORK,
     snapshot=SNAPSHOT,
-    distribution=None,
     supported=SUPPORTED,
+    arguments_module="slime.utils.arguments",
+    advantage_sites=_ADVANTAGE_SITES,
     targets=(
-        *common_targets(SLIME_FRAMEWORK, "slime.utils.arguments", _ADVANTAGE_SITES),
         *loss_targets(
             NAME,
             (_LOSS,),
@@ -219,21 +207,6 @@ SLIME = Integration(
             Target(module, "", "log", log_wrapper, required=False, decorator="slime_log")
             for module, _ in _LOG_MODULES
         ),
-        Target(
-            _ACTOR,
-            "MegatronTrainRayActor",
-            "train_critic",
-            critic_wrapper,
-            decorator="slime_train_critic",
-        ),
-        Target(
-            _ACTOR,
-            "MegatronTrainRayActor",
-            "train_actor",
-            train_actor_wrapper,
-            required=False,
-            vendored=False,
-        ),
+        *actor_targets(NAME, _ACTOR),
     ),
-    history=SLIME_HISTORY,
 )

@@ -672,7 +672,6 @@ def test_the_baseline_is_parsed_or_refused_by_name(installed, monkeypatch, argv,
 @pytest.mark.parametrize(
     ("argv", "match"),
     [
-        (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2"),
         (["--context-parallel-size", "2"], "--context-parallel-size 2"),
         (["--grpo-group-size", "1"], "--grpo-group-size 1"),
         (["--ess-baseline-path", "exact", "--ess-baseline-shadow"], "both on"),

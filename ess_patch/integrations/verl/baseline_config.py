@@ -30,12 +30,16 @@ from ..baseline_flags import ENV_ON, ENV_PATH, ENV_SHADOW, PATHS, baseline_mode,
 __all__ = [
     "BASELINE_KEY",
     "BASELINE_KEYS",
+    "FALSE",
     "SUPPORTED_BASELINE",
+    "TRUE",
     "BaselineSettings",
     "baseline_node",
     "baseline_requested",
     "baseline_settings",
+    "flag",
     "refuse_baseline",
+    "refuse_unknown",
 ]
 
 #: VCPO's actor config key for its baseline (``actor_rollout_ref.actor.grad_baselining``)
@@ -61,7 +65,8 @@ SUPPORTED_BASELINE = (
     "group mean zero)"
 )
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+#: the spellings of a bool setting (``ESS_LR_ENABLE``, VCPO's keys): ``verl.config`` reads them too
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 #: VCPO's values ess-patch applies as VCPO does; anything else is refused by name
 _ONLY = {"scope": "group", "agg_mode": "mean"}
 _MUST_BE_FALSE = {
@@ -84,12 +89,14 @@ class BaselineSettings:
     source: str
 
 
-def _flag(name: str, value: Any) -> bool:
+def flag(name: str, value: Any) -> bool:
+    """A bool setting: a bool, or one of :data:`TRUE` / :data:`FALSE` (any case, spaces
+    around); anything else is refused, naming ``name``."""
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
-    if text in _TRUE or text in _FALSE:
-        return text in _TRUE
+    if text in TRUE or text in FALSE:
+        return text in TRUE
     raise EssPatchValueError(f"{name}={value!r} must be a bool: 1/0/true/false")
 
 
@@ -118,13 +125,17 @@ def baseline_node(actor_config: Any) -> dict[str, Any] | None:
             f"actor.{BASELINE_KEY} must be a mapping of {', '.join(BASELINE_KEYS)}; got "
             f"{type(node).__name__}"
         )
-    unknown = sorted(set(node) - set(BASELINE_KEYS))
+    refuse_unknown(node, f"actor.{BASELINE_KEY}", BASELINE_KEYS)
+    return node
+
+
+def refuse_unknown(node: Mapping[str, Any], name: str, keys: tuple[str, ...]) -> None:
+    """Refuse a key of the node ``name`` that is not one of ``keys``, naming those it reads."""
+    unknown = sorted(set(node) - set(keys))
     if unknown:
         raise EssPatchValueError(
-            f"actor.{BASELINE_KEY} has unknown key(s) {', '.join(unknown)}; ess-patch reads "
-            f"{', '.join(BASELINE_KEYS)}"
+            f"{name} has unknown key(s) {', '.join(unknown)}; ess-patch reads {', '.join(keys)}"
         )
-    return node
 
 
 def _check_vcpo_values(node: dict[str, Any]) -> None:
@@ -134,7 +145,7 @@ def _check_vcpo_values(node: dict[str, Any]) -> None:
         if key in node and node[key] != value:
             problems.append(f"{key}={node[key]!r} (only {value!r})")
     for key, why in _MUST_BE_FALSE.items():
-        if key in node and _flag(f"actor.{BASELINE_KEY}.{key}", node[key]):
+        if key in node and flag(f"actor.{BASELINE_KEY}.{key}", node[key]):
             problems.append(f"{key}=true ({why})")
     if "norm_by_std" in node:
         problems.append(
@@ -162,10 +173,8 @@ def baseline_settings(actor_config: Any) -> BaselineSettings | None:
     """
     node = baseline_node(actor_config) or {}
     env_mode = baseline_mode(None)  # the ESS_LR_BASELINE* variables
-    on = env_mode == "on" or _flag(f"actor.{BASELINE_KEY}.enable", node.get("enable", False))
-    shadow = env_mode == "shadow" or _flag(
-        f"actor.{BASELINE_KEY}.shadow", node.get("shadow", False)
-    )
+    on = env_mode == "on" or flag(f"actor.{BASELINE_KEY}.enable", node.get("enable", False))
+    shadow = env_mode == "shadow" or flag(f"actor.{BASELINE_KEY}.shadow", node.get("shadow", False))
     if not (on or shadow):
         return None
     if on and shadow:
@@ -187,7 +196,7 @@ def baseline_settings(actor_config: Any) -> BaselineSettings | None:
     return BaselineSettings(
         mode="on" if on else "shadow",
         path=path,
-        use_is_weights=_flag(
+        use_is_weights=flag(
             f"actor.{BASELINE_KEY}.use_is_weights", node.get("use_is_weights", True)
         ),
         source=source,

@@ -14,7 +14,7 @@ from ...config import EssLrConfig
 from ...errors import EssPatchValueError
 from ...state import STATE
 from ..binding import bind, call_with
-from .baseline_config import baseline_node
+from .baseline_config import FALSE, baseline_node, flag, refuse_unknown
 
 __all__ = [
     "VCPO_KEYS",
@@ -35,9 +35,6 @@ ENV_WEIGHT_MODE = "ESS_LR_WEIGHT_MODE"
 #: reads from the algorithm config that verl's actor worker never sees
 VCPO_KEYS = ("enable", "scaling_rule", "base_ess_ratio", "use_clipped", "rollout_is_threshold")
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
-
 
 # --- settings ----------------------------------------------------------------------------------
 
@@ -48,15 +45,6 @@ class VerlSettings:
 
     enabled: bool  # arm the scale (False: shadow mode, logs only)
     config: EssLrConfig
-
-
-def _flag(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in _TRUE or text in _FALSE:
-        return text in _TRUE
-    raise EssPatchValueError(f"{name}={value!r} must be a bool: 1/0/true/false")
 
 
 def _plain(node: Any) -> Any:
@@ -75,7 +63,7 @@ def enable_requested(environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``ESS_LR_ENABLE`` asks for ESS-LR in this process (a bad value counts: the
     hooks refuse it by name anyway)."""
     env = os.environ if environ is None else environ
-    return env.get(ENV_ENABLE, "").strip().lower() not in _FALSE
+    return env.get(ENV_ENABLE, "").strip().lower() not in FALSE
 
 
 def vcpo_scaling(actor_config: Any) -> dict[str, Any] | None:
@@ -88,12 +76,7 @@ def vcpo_scaling(actor_config: Any) -> dict[str, Any] | None:
     scaling = _plain(node)
     if not isinstance(scaling, dict):
         raise EssPatchValueError(f"actor.ess_scaling must be a mapping of {', '.join(VCPO_KEYS)}")
-    unknown = sorted(set(scaling) - set(VCPO_KEYS))
-    if unknown:
-        raise EssPatchValueError(
-            f"actor.ess_scaling has unknown key(s) {', '.join(unknown)}; ess-patch reads "
-            f"{', '.join(VCPO_KEYS)}"
-        )
+    refuse_unknown(scaling, "actor.ess_scaling", VCPO_KEYS)
     return scaling
 
 
@@ -115,9 +98,9 @@ def settings(actor_config: Any, environ: Mapping[str, str] | None = None) -> Ver
     env = os.environ if environ is None else environ
     base = STATE.config if STATE.config is not None else EssLrConfig.from_env(env)
     scaling = vcpo_scaling(actor_config)
-    enabled = _flag(ENV_ENABLE, env.get(ENV_ENABLE, ""))
+    enabled = flag(ENV_ENABLE, env.get(ENV_ENABLE, ""))
     if scaling is not None and "enable" in scaling:
-        enabled = enabled or _flag("actor.ess_scaling.enable", scaling["enable"])
+        enabled = enabled or flag("actor.ess_scaling.enable", scaling["enable"])
     if not (enabled or base.shadow):
         return None
     if enabled and base.shadow:
@@ -135,7 +118,7 @@ def settings(actor_config: Any, environ: Mapping[str, str] | None = None) -> Ver
             changes["rule"] = scaling["scaling_rule"]
         if "base_ess_ratio" in scaling:
             changes["base_ratio"] = scaling["base_ess_ratio"]
-        if _flag("actor.ess_scaling.use_clipped", scaling.get("use_clipped", False)):
+        if flag("actor.ess_scaling.use_clipped", scaling.get("use_clipped", False)):
             clip = scaling.get("rollout_is_threshold", base.weight_clip)
             if clip is None:
                 raise EssPatchValueError(
