@@ -29,8 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # Issue 35 adds three, each a check of the fail-closed guard: the actor's args checked
 # (rl_hooks, now miles_slime, > actors), arm() through the guard (guard > state > guard), the
 # applied LR read back at the step (attach > guard). Issue 40 (rl_hooks split into
-# miles_slime and framework, verl a folder): 13 and 20 before and after.
-MAX_REENTRIES = {"rollout": 13, "step": 20}
+# miles_slime and framework, verl a folder): 13 and 20 before and after; the flags build
+# their config in one call into config.py (from_env's overrides, not a build then a replace):
+# 12 and 19, the budget now.
+MAX_REENTRIES = {"rollout": 12, "step": 19}
 
 
 def _trace_tool():
