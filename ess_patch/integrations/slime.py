@@ -78,30 +78,33 @@ _LOG_MODULES = (
 )
 
 
+#: slime has taken its groups from megatron's parallel_state throughout
+_GROUPS = Aspect(
+    "groups",
+    when=(_LOSS,),
+    phrase="groups from {label}",
+    shapes=(
+        Shape(
+            "megatron.core.parallel_state (CP, DP without CP, PP)",
+            "v0.2.0 to main",
+            tuple(
+                Feature(_MPU, name)
+                for name in (
+                    "get_context_parallel_group",
+                    "get_data_parallel_group",
+                    "get_pipeline_model_parallel_group",
+                    "is_pipeline_last_stage",
+                )
+            ),
+        ),
+    ),
+)
+
 SLIME_HISTORY = History(
     framework=NAME,
     supported=SUPPORTED,
     aspects=(
-        Aspect(
-            "groups",
-            (
-                Shape(
-                    "megatron.core.parallel_state (CP, DP without CP, PP)",
-                    "v0.2.0 to main",
-                    tuple(
-                        Feature(_MPU, name)
-                        for name in (
-                            "get_context_parallel_group",
-                            "get_data_parallel_group",
-                            "get_pipeline_model_parallel_group",
-                            "is_pipeline_last_stage",
-                        )
-                    ),
-                ),
-            ),
-            when=(_LOSS,),
-            phrase="groups from {label}",
-        ),
+        _GROUPS,
         Aspect(
             "hook",
             (
