@@ -46,9 +46,10 @@ VCPO's baseline (``--use-ess-baseline`` / ``--ess-baseline-shadow`` / ``--ess-ba
 
 Refused at parse time by name (:func:`validate_megatron_rl_baseline`): CP, virtual
 pipelines (pipeline stages run the norm pass together), ``--grpo-group-size`` below 2, a
-tree without ``calculate_grpo_advantages`` (radixark's fork computes the advantages inline), an unpatched routine (a tree patched with
-the ``patches/`` series only); at run time, on every rank: multi-turn rollouts, groups of
-unequal size, a collection that does not split evenly over DP.
+tree without ``calculate_grpo_advantages`` (radixark's fork computes the advantages
+inline), an unpatched routine (a tree patched with the ``patches/`` series only); at run
+time, on every rank: multi-turn rollouts, groups of unequal size, a collection that does not
+split evenly over DP.
 """
 
 from __future__ import annotations
