@@ -23,6 +23,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared helpers
 from upstream import skip_reason
 
 import ess_patch
@@ -30,43 +31,55 @@ import ess_patch
 N_PER_PROMPT = 2  # ledger_run's argv: --n-samples-per-prompt 2
 
 
-def _expected(rollout: dict, n: int = N_PER_PROMPT) -> dict[tuple, float]:
-    """tokens -> the advantage ``r - b*`` that sample must train with."""
+def _expected(rollouts: list[dict], n: int = N_PER_PROMPT) -> dict[tuple, float]:
+    """tokens -> the advantage ``r - b*`` that sample must train with, over the samples of
+    every DP rank's share of one rollout (``rollouts``: that rollout as each rank saw it)."""
     from ledger_run import reference_log_probs
 
     from ess_patch.baseline import min_variance_baseline
 
-    weights = {k: v.double().requires_grad_() for k, v in rollout["weights"].items()}
-    hook = rollout["hook_log_probs"]
     sq, rewards, ids, keys = [], [], [], []
-    for k, i in enumerate(rollout["local"]):
-        s = rollout["samples"][i]
-        lp = reference_log_probs(weights, s["tokens"], s["response_length"])
-        w = 1.0 if hook is None else torch.exp(hook[k].double() - s["rollout_log_probs"].double())
-        term = (s["loss_mask"].double() * w * lp).sum()
-        grads = torch.autograd.grad(term, list(weights.values()))
-        sq.append(sum(g.square().sum() for g in grads))
-        rewards.append(s["reward"])
-        ids.append(i // n)
-        keys.append(tuple(s["tokens"].tolist()))
+    for rollout in rollouts:
+        weights = {k: v.double().requires_grad_() for k, v in rollout["weights"].items()}
+        hook = rollout["hook_log_probs"]
+        for k, i in enumerate(rollout["local"]):
+            s = rollout["samples"][i]
+            lp = reference_log_probs(weights, s["tokens"], s["response_length"])
+            w = (
+                1.0
+                if hook is None
+                else torch.exp(hook[k].double() - s["rollout_log_probs"].double())
+            )
+            term = (s["loss_mask"].double() * w * lp).sum()
+            grads = torch.autograd.grad(term, list(weights.values()))
+            sq.append(sum(g.square().sum() for g in grads))
+            rewards.append(s["reward"])
+            ids.append(i // n)
+            keys.append(tuple(s["tokens"].tolist()))
+    order = torch.tensor(ids).argsort(stable=True)
     res = min_variance_baseline(
         None, torch.tensor(rewards, dtype=torch.float64), torch.stack(sq), torch.tensor(ids)
     )
-    plain = torch.tensor(rewards, dtype=torch.float64).reshape(-1, n)
-    moved = (res.advantages - (plain - plain.mean(1, keepdim=True)).flatten()).abs().max()
+    plain = torch.tensor(rewards, dtype=torch.float64)[order].reshape(-1, n)
+    moved = (res.advantages[order] - (plain - plain.mean(1, keepdim=True)).flatten()).abs().max()
     assert moved > 1e-3  # b* is not the group mean here: the check can tell them apart
     return dict(zip(keys, res.advantages.tolist(), strict=True))
 
 
-def _check(run: dict) -> None:
-    assert run["records"], "no optimizer step ran"
-    for rollout in run["rollouts"]:
-        want = _expected(rollout)
-        seen = rollout["loss_saw"]
-        assert sorted({tuple(t) for t, _ in seen}) == sorted(want)  # every sample trained
-        for tokens, adv in seen:
-            target = want[tuple(tokens)]
-            assert adv == pytest.approx([target] * len(adv), rel=1e-5, abs=1e-6), (tokens, adv)
+def _check(runs: list[dict], n: int = N_PER_PROMPT) -> None:
+    """Every rank trained each of its samples on ``r - b*`` of the whole rollout."""
+    for run in runs:
+        assert run["records"], "no optimizer step ran"
+    for index in range(len(runs[0]["rollouts"])):
+        want = _expected([run["rollouts"][index] for run in runs], n)
+        for run in runs:
+            rollout = run["rollouts"][index]
+            seen = rollout["loss_saw"]
+            local = {tuple(rollout["samples"][i]["tokens"].tolist()) for i in rollout["local"]}
+            assert {tuple(t) for t, _ in seen} == local  # every sample of the rank trained
+            for tokens, adv in seen:
+                target = want[tuple(tokens)]
+                assert adv == pytest.approx([target] * len(adv), rel=1e-5, abs=1e-6), (tokens, adv)
 
 
 @pytest.fixture
@@ -86,7 +99,7 @@ def test_slime_trains_on_r_minus_b_star(world, path):
 
     ess_patch.install(["megatron", "slime"])
     flags = ["--use-ess-baseline", "--ess-baseline-path", path, "--global-batch-size", "8"]
-    _check(slime_train(flags, rollouts=1, steps=1, spy=True))
+    _check([slime_train(flags, rollouts=1, steps=1, spy=True)])
 
 
 @pytest.mark.skipif(skip_reason("miles", "full") is not None, reason="miles snapshot")
@@ -96,4 +109,51 @@ def test_miles_trains_packed_thd_on_r_minus_b_star(world, path):
 
     ess_patch.install(["megatron", "miles"])
     flags = ["--use-ess-baseline", "--ess-baseline-path", path, "--global-batch-size", "8"]
-    _check(miles_train(flags, rollouts=1, spy=True))
+    _check([miles_train(flags, rollouts=1, spy=True)])
+
+
+# --- several processes ----------------------------------------------------------------------------
+
+
+def _rank_train(fw: str, flags: list[str]) -> dict:
+    from ledger_run import miles_train, slime_train
+
+    from ess_patch.demo.cpu import megatron_on_cpu
+
+    with megatron_on_cpu():
+        ess_patch.install(["megatron", fw])
+        if fw == "slime":
+            run = slime_train(flags, rollouts=1, steps=1, spy=True)
+        else:
+            run = miles_train(flags, rollouts=1, spy=True)
+    run["records"] = [{"lr": r["lr"]} for r in run["records"]]
+    return run
+
+
+FRAMEWORKS = [
+    pytest.param(
+        fw,
+        marks=pytest.mark.skipif(
+            skip_reason(fw, "full") is not None, reason=skip_reason(fw, "full") or ""
+        ),
+    )
+    for fw in ("slime", "miles")
+]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize(("n", "path"), [(2, "rules"), (8, "exact")], ids=["whole", "split"])
+def test_dp2_every_rank_trains_on_r_minus_b_star_of_the_whole_rollout(fw, n, path, tmp_path):
+    """DP2 through the real train path: each rank trains on its half of the 8 samples. With
+    2 samples per prompt every group is on one rank; with 8 every group is split over the two
+    ranks and ``b*`` is reduced over DP (the float64 reference sees all 8 samples)."""
+    from harness import run_ranks
+
+    flags = ["--use-ess-baseline", "--ess-baseline-path", path, "--global-batch-size", "8"]
+    flags += ["--n-samples-per-prompt", str(n), "--rollout-batch-size", str(8 // n)]
+    runs = run_ranks(
+        _rank_train, dp=2, args=(fw, flags), tmp_path=tmp_path, timeout=300, gloo_groups=True
+    )
+    assert [run["dp_rank"] for run in runs] == [0, 1]
+    _check(runs, n)
