@@ -43,7 +43,14 @@ import torch.distributed as dist
 from .errors import EssPatchRuntimeError, EssPatchValueError
 from .per_trajectory import PerTrajectoryGrads
 
-__all__ = ["NormPassResult", "check_finite", "check_terms", "exact_params", "norm_pass"]
+__all__ = [
+    "NormPassResult",
+    "check_finite",
+    "check_terms",
+    "counted_sq",
+    "exact_params",
+    "norm_pass",
+]
 
 PATHS = ("rules", "exact")
 
@@ -96,28 +103,42 @@ def check_finite(sq: torch.Tensor) -> None:
         )
 
 
-def exact_params(model: torch.nn.Module, tp_group: Any) -> list[torch.nn.Parameter]:
-    """The parameters the exact path differentiates on this rank: replicated ones count once
-    over TP (rank 0), sharded ones on every rank."""
+def exact_params(
+    model: torch.nn.Module, tp_group: Any
+) -> tuple[list[torch.nn.Parameter], list[bool]]:
+    """The parameters the exact path differentiates on this rank, and which of them count.
+
+    Every TP rank differentiates every trainable parameter, so that each backward takes the
+    same route on every rank and meets the same TP collectives (a replicated embedding below a
+    vocabulary-parallel head: its input gradient is all-reduced over TP on the way down). Of
+    those, sharded parameters count on every rank and replicated ones on TP rank 0 only, so the
+    sum over TP counts each once."""
     tp_rank = dist.get_rank(tp_group) if _size(tp_group) > 1 else 0
-    return [
-        p
-        for p in model.parameters()
-        if p.requires_grad and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False))
-    ]
+    params = [p for p in model.parameters() if p.requires_grad]
+    counts = [tp_rank == 0 or bool(getattr(p, "tensor_model_parallel", False)) for p in params]
+    return params, counts
+
+
+def counted_sq(grads: Any, counts: list[bool], like: torch.Tensor) -> torch.Tensor:
+    """The float64 sum of squares of the gradients that count on this rank."""
+    return sum(
+        (
+            g.double().square().sum()
+            for g, c in zip(grads, counts, strict=True)
+            if c and g is not None
+        ),
+        like.new_zeros((), dtype=torch.float64),
+    )
 
 
 def _exact(model: torch.nn.Module, terms: torch.Tensor, tp_group: Any) -> tuple[torch.Tensor, int]:
-    params = exact_params(model, tp_group)
+    params, counts = exact_params(model, tp_group)
     sq = torch.zeros(terms.numel(), dtype=torch.float64, device=terms.device)
     held = 0
     for i in range(terms.numel()):
         grads = torch.autograd.grad(terms[i], params, retain_graph=True, allow_unused=True)
         held = max(held, sum(g.numel() * g.element_size() for g in grads if g is not None))
-        sq[i] = sum(
-            (g.double().square().sum() for g in grads if g is not None),
-            torch.zeros((), dtype=torch.float64, device=terms.device),
-        )
+        sq[i] = counted_sq(grads, counts, sq)
     return sq, held
 
 

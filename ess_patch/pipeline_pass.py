@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from .errors import EssPatchValueError
 from .guard import EssLrNotAppliedError
-from .norm_pass import PATHS, NormPassResult, check_finite, check_terms, exact_params
+from .norm_pass import PATHS, NormPassResult, check_finite, check_terms, counted_sq, exact_params
 from .per_trajectory import PerTrajectoryGrads
 
 __all__ = ["Stage", "pipelined_forward", "pipelined_norm_pass"]
@@ -264,7 +264,7 @@ def _local(
         count, total = out.shape[stage.rows_dim], out
     extra = [x] if x is not None else []
     if path == "exact":
-        sq, held = _exact(exact_params(model, tp_group), root, seed, count, stage)
+        sq, held = _exact(*exact_params(model, tp_group), root, seed, count, stage)
         gx = torch.autograd.grad(total, extra, grad_outputs=seed)[0] if extra else None
         return sq, held, gx
     assert grads is not None
@@ -286,6 +286,7 @@ def _local(
 
 def _exact(
     params: list[torch.nn.Parameter],
+    counts: list[bool],
     root: torch.Tensor,
     seed: torch.Tensor | None,
     count: int,
@@ -303,5 +304,5 @@ def _exact(
             g.select(stage.rows_dim, i).copy_(seed.select(stage.rows_dim, i))
         gi = torch.autograd.grad(t, params, grad_outputs=g, retain_graph=True, allow_unused=True)
         held = max(held, sum(v.numel() * v.element_size() for v in gi if v is not None))
-        sq[i] = sum((v.double().square().sum() for v in gi if v is not None), sq.new_zeros(()))
+        sq[i] = counted_sq(gi, counts, sq)
     return sq, held

@@ -109,3 +109,58 @@ def tp2_norm_pass() -> dict[str, float]:
         got = norm_pass(model, terms, tp_group=tp, path=path).sq_norms
         out[path] = float(((got - want) / want).abs().max())
     return out
+
+
+def tp2_replicated_below_the_head() -> dict[str, float]:
+    """TP2, a replicated embedding under a vocabulary-parallel head (megatron's own mappings):
+    on TP rank 1 no parameter that counts lies below the head, yet the backward must still
+    reach the embedding there, or rank 0's all-reduce of the head's input gradient waits for
+    a peer that never comes. The norm pass against brute force, both paths."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_tensor_model_parallel_region,
+    )
+
+    from ess_patch.demo.cpu import megatron_on_cpu
+    from ess_patch.norm_pass import norm_pass
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)
+    tp = ps.get_tensor_model_parallel_group()
+    rank = dist.get_rank(tp)
+    vocab, hidden, length, n = 8, 5, 6, 3
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(vocab, hidden)
+    full = torch.randn(vocab, hidden)
+    head = torch.nn.Parameter(full[rank * vocab // 2 : (rank + 1) * vocab // 2].clone())
+    set_tensor_model_parallel_attributes(head, True, 0, 1)
+    model = torch.nn.Module()
+    model.embedding, model.head = embedding, torch.nn.Linear(hidden, vocab // 2, bias=False)
+    model.head.weight = head
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (n, length), generator=gen)
+    targets = torch.randint(0, vocab, (n, length), generator=gen)
+
+    def terms(rows: slice = slice(None)) -> torch.Tensor:
+        with megatron_on_cpu():
+            h = copy_to_tensor_model_parallel_region(torch.tanh(model.embedding(ids[rows])))
+            logits = gather_from_tensor_model_parallel_region(model.head(h))
+        lp = torch.log_softmax(logits, -1).gather(2, targets[rows][..., None]).squeeze(-1)
+        return lp.sum(1)
+
+    params = list(model.parameters())
+    counted = [rank == 0 or getattr(p, "tensor_model_parallel", False) for p in params]
+    want = torch.zeros(n, dtype=torch.float64)
+    with megatron_on_cpu():
+        for i in range(n):
+            g = torch.autograd.grad(terms(slice(i, i + 1))[0], params)
+            want[i] = sum(x.double().square().sum() for x, c in zip(g, counted, strict=True) if c)
+    dist.all_reduce(want, group=tp)
+    with megatron_on_cpu():  # the backward's mappings too
+        got = {
+            path: norm_pass(model, terms, tp_group=tp, path=path).sq_norms
+            for path in ("rules", "exact")
+        }
+    return {path: float(((sq - want) / want).abs().max()) for path, sq in got.items()}

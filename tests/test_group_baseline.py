@@ -14,7 +14,12 @@ from ess_patch.group_baseline import dp_min_variance_baseline
 
 pytest.importorskip("megatron.core")
 
-from group_baseline_ranks import bad_on_rank_one, split_rollout, tp2_norm_pass
+from group_baseline_ranks import (
+    bad_on_rank_one,
+    split_rollout,
+    tp2_norm_pass,
+    tp2_replicated_below_the_head,
+)
 from harness import run_ranks
 
 
@@ -111,5 +116,14 @@ def test_a_fault_on_one_rank_is_an_error_on_every_rank(fault, own, peer, tmp_pat
 @pytest.mark.dist
 def test_the_norm_pass_in_tp2_matches_one_backward_per_trajectory(tmp_path):
     ranks = run_ranks(tp2_norm_pass, dp=2, timeout=120, tmp_path=tmp_path)
+    for r in ranks:
+        assert r["rules"] < 2e-5 and r["exact"] < 2e-5, r
+
+
+@pytest.mark.dist
+def test_tp2_with_only_replicated_parameters_below_the_head_meets_every_collective(tmp_path):
+    """Every TP rank's backward takes the same route, even where rank 1 counts nothing below
+    the head (the exact path differentiated counted parameters only before: rank 0 waited)."""
+    ranks = run_ranks(tp2_replicated_below_the_head, dp=2, timeout=90, tmp_path=tmp_path)
     for r in ranks:
         assert r["rules"] < 2e-5 and r["exact"] < 2e-5, r

@@ -31,27 +31,49 @@ import torch
 from ess_patch.integrations.actors import INIT_PATH
 
 VOCAB, HIDDEN = 11, 6
+VOCAB_TP = 12  # the vocabulary padded to split over TP2 (TinyLM under tensor parallelism)
 
 
 class TinyLM(torch.nn.Module):
     """Logits ``head(tanh(embedding(token)))`` for every position: ``[1, T, VOCAB]`` float32.
 
     Takes the keyword arguments slime's and miles' ``forward_step`` pass (packed sequence
-    parameters and masks are not needed: no attention)."""
+    parameters and masks are not needed: no attention). Under tensor parallelism (TP > 1 in
+    megatron's parallel_state) the head is vocabulary-parallel as megatron's output layer is:
+    ``VOCAB_TP`` rows (the vocabulary padded to split evenly; no token uses the padding), this
+    rank's rows of the one seeded head, the input copied into the TP region (its gradient
+    all-reduced) and this rank's logits ``[1, T, VOCAB_TP / TP]`` out."""
 
     def __init__(self) -> None:
+        from megatron.core import parallel_state
         from megatron.core.enums import ModelType
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         super().__init__()
         self.model_type = ModelType.encoder_or_decoder  # megatron's schedules read it
+        self.tp = parallel_state.get_tensor_model_parallel_world_size()
         self.embedding = torch.nn.Embedding(VOCAB, HIDDEN)
-        self.head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+        if self.tp == 1:
+            self.head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+            return
+        full = torch.nn.Linear(HIDDEN, VOCAB_TP, bias=False).weight.detach()
+        rows = VOCAB_TP // self.tp
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        self.head = torch.nn.Linear(HIDDEN, rows, bias=False)
+        with torch.no_grad():
+            self.head.weight.copy_(full[rank * rows : (rank + 1) * rows])
+        set_tensor_model_parallel_attributes(self.head.weight, True, 0, 1)
 
     def set_input_tensor(self, _tensor: Any) -> None:  # one pipeline stage: nothing comes in
         pass
 
     def forward(self, input_ids: torch.Tensor, **_ignored: Any) -> torch.Tensor:
-        return self.head(torch.tanh(self.embedding(input_ids))).float()
+        hidden = torch.tanh(self.embedding(input_ids))
+        if self.tp > 1:
+            from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+            hidden = copy_to_tensor_model_parallel_region(hidden)
+        return self.head(hidden).float()
 
 
 def reference_log_probs(weights: dict[str, torch.Tensor], tokens: torch.Tensor, response: int):
@@ -68,6 +90,21 @@ def reference_log_probs(weights: dict[str, torch.Tensor], tokens: torch.Tensor, 
 def weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     module = getattr(model, "module", model)
     return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def whole_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """:func:`weights_of` with a vocabulary-parallel head gathered over TP (every TP rank's
+    rows, in rank order): the weights of the whole model, as the rollout engine runs it."""
+    from megatron.core import parallel_state
+
+    weights = weights_of(model)
+    group = parallel_state.get_tensor_model_parallel_group()
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        shard = weights["head.weight"]
+        parts = [torch.empty_like(shard) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(parts, shard.contiguous(), group=group)
+        weights["head.weight"] = torch.cat(parts)
+    return weights
 
 
 class Backups:
@@ -463,7 +500,7 @@ def slime_train(
     out: dict[str, Any] = {"rollouts": [], "dp_rank": dp_rank, "dp_size": dp_size}
     try:
         for rollout_id in range(rollouts):
-            current = weights_of(models[0])
+            current = whole_weights(models[0])
             behind = {k: v + 0.4 * torch.randn(v.shape, generator=g) for k, v in current.items()}
             samples = make_rollout(num, seed=seed * 100 + rollout_id, rollout_weights=behind)
             if args.keep_old_actor:  # the rollout engines ran the old actor's weights
@@ -633,7 +670,7 @@ def miles_train(
     out: dict[str, Any] = {"rollouts": [], "dp_rank": dp_rank, "dp_size": dp_size}
     try:
         for rollout_id in range(rollouts):
-            current = weights_of(models[0])
+            current = whole_weights(models[0])
             behind = {k: v + 0.4 * torch.randn(v.shape, generator=g) for k, v in current.items()}
             samples = make_rollout(num, seed=seed * 100 + rollout_id, rollout_weights=behind)
             if args.keep_old_actor:

@@ -66,12 +66,17 @@ def _expected(rollouts: list[dict], n: int = N_PER_PROMPT) -> dict[tuple, float]
     return dict(zip(keys, res.advantages.tolist(), strict=True))
 
 
-def _check(runs: list[dict], n: int = N_PER_PROMPT) -> None:
-    """Every rank trained each of its samples on ``r - b*`` of the whole rollout."""
+def _check(runs: list[dict], n: int = N_PER_PROMPT, *, tp: int = 1) -> None:
+    """Every rank trained each of its samples on ``r - b*`` of the whole rollout. ``tp``: the
+    ranks are one TP group (each holds every sample and its shard of the head, the reference
+    takes the whole head)."""
     for run in runs:
         assert run["records"], "no optimizer step ran"
     for index in range(len(runs[0]["rollouts"])):
-        want = _expected([run["rollouts"][index] for run in runs], n)
+        shares = [run["rollouts"][index] for run in runs]
+        if tp > 1:  # one share: every sample, the whole model's weights (ledger_run gathers)
+            shares = shares[:1]
+        want = _expected(shares, n)
         for run in runs:
             rollout = run["rollouts"][index]
             seen = rollout["loss_saw"]
@@ -115,18 +120,23 @@ def test_miles_trains_packed_thd_on_r_minus_b_star(world, path):
 # --- several processes ----------------------------------------------------------------------------
 
 
-def _rank_train(fw: str, flags: list[str]) -> dict:
+def _rank_train(fw: str, flags: list[str], tp: int = 1) -> dict:
     from ledger_run import miles_train, slime_train
+    from megatron.core import parallel_state as ps
 
     from ess_patch.demo.cpu import megatron_on_cpu
 
+    if tp > 1:  # the launch's two DP ranks become one TP group
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=True)
+        flags = [*flags, "--tensor-model-parallel-size", str(tp)]
     with megatron_on_cpu():
         ess_patch.install(["megatron", fw])
         if fw == "slime":
             run = slime_train(flags, rollouts=1, steps=1, spy=True)
         else:
             run = miles_train(flags, rollouts=1, spy=True)
-    run["records"] = [{"lr": r["lr"]} for r in run["records"]]
+    run["records"] = [{"lr": r["lr"], "head": r["weights"]["head.weight"]} for r in run["records"]]
     return run
 
 
@@ -157,3 +167,25 @@ def test_dp2_every_rank_trains_on_r_minus_b_star_of_the_whole_rollout(fw, n, pat
     )
     assert [run["dp_rank"] for run in runs] == [0, 1]
     _check(runs, n)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("path", ["rules", "exact"])
+def test_tp2_the_sharded_head_trains_every_sample_on_r_minus_b_star(fw, path, tmp_path):
+    """TP2 through the real train path: the two ranks are one TP group, each with every sample
+    and its half of a vocabulary-parallel head (the framework's loss takes vocabulary-parallel
+    log-probs). The norms are summed over TP (the replicated embedding counted once) and both
+    ranks train every token on ``r - b*`` of the float64 reference on the whole head."""
+    from harness import run_ranks
+    from ledger_run import VOCAB_TP
+
+    flags = ["--use-ess-baseline", "--ess-baseline-path", path, "--global-batch-size", "8"]
+    runs = run_ranks(
+        _rank_train, dp=2, args=(fw, flags, 2), tmp_path=tmp_path, timeout=300, gloo_groups=True
+    )
+    assert [run["dp_size"] for run in runs] == [1, 1]
+    assert runs[0]["rollouts"][0]["weights"]["head.weight"].shape[0] == VOCAB_TP
+    shards = [run["records"][0]["head"] for run in runs]  # what each rank's step started from
+    assert [s.shape[0] for s in shards] == [VOCAB_TP // 2] * 2 and not torch.equal(*shards)
+    _check(runs, tp=2)
