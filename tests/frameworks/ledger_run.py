@@ -42,7 +42,10 @@ class TinyLM(torch.nn.Module):
     megatron's parallel_state) the head is vocabulary-parallel as megatron's output layer is:
     ``VOCAB_TP`` rows (the vocabulary padded to split evenly; no token uses the padding), this
     rank's rows of the one seeded head, the input copied into the TP region (its gradient
-    all-reduced) and this rank's logits ``[1, T, VOCAB_TP / TP]`` out."""
+    all-reduced) and this rank's logits ``[1, T, VOCAB_TP / TP]`` out. Under two pipeline stages
+    the first holds the embedding and hands ``tanh(embedding)`` on as megatron's ``[s, b, h]``,
+    the second takes it through ``set_input_tensor`` and holds the head (the same seeded
+    weights as one stage)."""
 
     def __init__(self) -> None:
         from megatron.core import parallel_state
@@ -52,23 +55,41 @@ class TinyLM(torch.nn.Module):
         super().__init__()
         self.model_type = ModelType.encoder_or_decoder  # megatron's schedules read it
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.first = parallel_state.is_pipeline_first_stage()
+        self.last = parallel_state.is_pipeline_last_stage()
+        # what megatron's finalize_model_grads reads of a stage (no tied embedding here)
+        self.pre_process, self.post_process = self.first, self.last
+        self.share_embeddings_and_output_weights = False
+        self._input: torch.Tensor | None = None
         self.embedding = torch.nn.Embedding(VOCAB, HIDDEN)
         if self.tp == 1:
             self.head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
-            return
-        full = torch.nn.Linear(HIDDEN, VOCAB_TP, bias=False).weight.detach()
-        rows = VOCAB_TP // self.tp
-        rank = parallel_state.get_tensor_model_parallel_rank()
-        self.head = torch.nn.Linear(HIDDEN, rows, bias=False)
-        with torch.no_grad():
-            self.head.weight.copy_(full[rank * rows : (rank + 1) * rows])
-        set_tensor_model_parallel_attributes(self.head.weight, True, 0, 1)
+        else:
+            full = torch.nn.Linear(HIDDEN, VOCAB_TP, bias=False).weight.detach()
+            rows = VOCAB_TP // self.tp
+            rank = parallel_state.get_tensor_model_parallel_rank()
+            self.head = torch.nn.Linear(HIDDEN, rows, bias=False)
+            with torch.no_grad():
+                self.head.weight.copy_(full[rank * rows : (rank + 1) * rows])
+            set_tensor_model_parallel_attributes(self.head.weight, True, 0, 1)
+        if not self.first:  # built, then dropped: the seed gives every stage the same weights
+            del self.embedding
+        if not self.last:
+            del self.head
 
-    def set_input_tensor(self, _tensor: Any) -> None:  # one pipeline stage: nothing comes in
-        pass
+    def set_input_tensor(self, tensor: Any) -> None:
+        """The previous stage's output (megatron's schedules hand a list of one)."""
+        if isinstance(tensor, (list, tuple)):
+            tensor = tensor[0]
+        self._input = tensor
 
     def forward(self, input_ids: torch.Tensor, **_ignored: Any) -> torch.Tensor:
-        hidden = torch.tanh(self.embedding(input_ids))
+        if self.first:
+            hidden = torch.tanh(self.embedding(input_ids))
+        else:
+            hidden = self._input.transpose(0, 1)  # [s, b, h] -> [b, s, h]
+        if not self.last:
+            return hidden.transpose(0, 1).contiguous()
         if self.tp > 1:
             from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
@@ -94,10 +115,16 @@ def weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def whole_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """:func:`weights_of` with a vocabulary-parallel head gathered over TP (every TP rank's
-    rows, in rank order): the weights of the whole model, as the rollout engine runs it."""
+    rows, in rank order) and every pipeline stage's parameters: the weights of the whole
+    model, as the rollout engine runs it."""
     from megatron.core import parallel_state
 
     weights = weights_of(model)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        pp = parallel_state.get_pipeline_model_parallel_group()
+        stages: list[Any] = [None] * torch.distributed.get_world_size(pp)
+        torch.distributed.all_gather_object(stages, weights, group=pp)
+        weights = {k: v for stage in stages for k, v in stage.items()}
     group = parallel_state.get_tensor_model_parallel_group()
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         shard = weights["head.weight"]
@@ -181,15 +208,29 @@ def build_optimizer(args: Any, model_chunks: list) -> tuple[Any, Any]:
 
 
 def ddp_model(seed: int = 7) -> list:
+    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
 
     torch.manual_seed(seed)
-    config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=1)
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if pp == 1:
+        config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=1)
+    else:  # the schedule sends [s, b, h] float32 between stages, s varying per micro-batch
+        config = TransformerConfig(
+            num_layers=pp,
+            hidden_size=HIDDEN,
+            num_attention_heads=1,
+            pipeline_model_parallel_size=pp,
+            pipeline_dtype=torch.float32,
+        )
+        config.variable_seq_lengths = True  # after the MoE check (no MoE here)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=False, overlap_grad_reduce=False
     )
-    return [DistributedDataParallel(config, ddp_config, TinyLM())]
+    model = TinyLM()
+    model.config = config  # as a GPTModel carries its own (the norm pass reads hidden_size)
+    return [DistributedDataParallel(config, ddp_config, model)]
 
 
 class StepRecorder:
