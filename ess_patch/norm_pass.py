@@ -23,11 +23,12 @@ checks it.
 
 Paths (``path=``):
 
-* ``"rules"`` (default for one trajectory per row): the registered per-module rules; modules
-  with no rule take the exact path for their own parameters (``unsupported="exact"``).
+* ``"rules"`` (default): the registered per-module rules; modules with no rule take the exact
+  path for their own parameters (``unsupported="exact"``). One trajectory per row, or one
+  packed (THD) row given ``cu_seqlens`` (each captured token laid back into its trajectory's
+  row; the trajectories must not see each other, as under THD attention).
 * ``"exact"``: one ``autograd.grad`` per trajectory over every trainable parameter; any
-  module, any layout, packed (THD) rows included. ``N`` backward passes: the check, and the
-  path for packed rows until the rules split a row by ``cu_seqlens``.
+  module, any layout, packed rows included. ``N`` backward passes: the check.
 """
 
 from __future__ import annotations
@@ -143,7 +144,10 @@ def _exact(model: torch.nn.Module, terms: torch.Tensor, tp_group: Any) -> tuple[
 
 
 def _rules(
-    model: torch.nn.Module, loss_terms: Callable[[], torch.Tensor], tp_group: Any
+    model: torch.nn.Module,
+    loss_terms: Callable[[], torch.Tensor],
+    tp_group: Any,
+    cu_seqlens: Any = None,
 ) -> tuple[torch.Tensor, int]:
     # frozen linear weights: megatron's layers take linear_with_frozen_weight, whose backward
     # computes no weight gradient (its default Function computes one even when not asked)
@@ -152,6 +156,7 @@ def _rules(
     )
     try:
         grads.start()
+        grads.packed(cu_seqlens)
         terms = _terms(loss_terms)
         grads.add_exact(terms)
         # asking for the small parameters' gradients makes the backward reach every module
@@ -165,7 +170,8 @@ def _rules(
             raise EssPatchValueError(
                 f"norm_pass: loss_terms() gave {terms.numel()} trajectories in "
                 f"{sq.numel()} batch rows; the rules need one trajectory per row. Packed (THD) "
-                "rows: norm_pass(..., path='exact')"
+                "rows: norm_pass(..., cu_seqlens=...) (one packed row, trajectories that do not "
+                "see each other) or norm_pass(..., path='exact')"
             )
         return sq, held
     finally:
@@ -179,6 +185,7 @@ def norm_pass(
     tp_group: Any = None,
     pp_group: Any = None,
     path: str = "rules",
+    cu_seqlens: Any = None,
 ) -> NormPassResult:
     """Per-trajectory squared gradient norms of ``loss_terms()``, changing nothing in the model.
 
@@ -190,6 +197,10 @@ def norm_pass(
             :func:`ess_patch.pipeline_pass.pipelined_norm_pass` carries the activations down
             and the gradients back itself.
         path: ``"rules"`` or ``"exact"`` (see the module docstring).
+        cu_seqlens: the forward runs one packed (THD) row, trajectory ``i`` at tokens
+            ``cu_seqlens[i]:cu_seqlens[i+1]`` (megatron's ``PackedSeqParams.cu_seqlens_q``),
+            which do not see each other: the rules lay each token back into its
+            trajectory's row. The exact path needs nothing (``loss_terms`` says the split).
 
     Raises:
         ValueError: an unknown ``path``, a pipeline of more than one stage, bad ``loss_terms``.
@@ -208,7 +219,7 @@ def norm_pass(
         if path == "exact":
             sq, held = _exact(model, _terms(loss_terms), tp_group)
         else:
-            sq, held = _rules(model, loss_terms, tp_group)
+            sq, held = _rules(model, loss_terms, tp_group, cu_seqlens)
     if _size(tp_group) > 1:
         dist.all_reduce(sq, group=tp_group)
     check_finite(sq)

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from test_per_trajectory_rules import MODERN, RESPONSE, _batch, _gpt, _gpt_terms
+from test_per_trajectory_rules import MODERN, RESPONSE, VOCAB, _batch, _gpt, _gpt_terms
 
 from ess_patch.errors import EssPatchError
 from ess_patch.norm_pass import norm_pass
@@ -56,35 +56,67 @@ def test_norms_match_one_backward_per_trajectory(world, overrides, path):
         assert 0 < res.held_bytes != params
 
 
-def test_packed_rows_take_the_exact_path_and_the_rules_refuse_them(world):
-    """Two trajectories in one row (a packed row): the exact path gives each one's norm, the
-    rules (one trajectory per row) refuse rather than return one norm for the row."""
-    model = _gpt(**dict(MODERN))
-    ids, tokens, w, _ = _batch()
-    row = ids[:1]
-    # the row's last RESPONSE tokens split in two trajectories (2 and 2 tokens)
-    seg = torch.tensor([0, 0, 1, 1])
+def _packed_row(model, lengths=(6, 9, 4, 7), seed=1):
+    """One packed (THD) row of ``len(lengths)`` trajectories that do not see each other
+    (block-diagonal causal mask), each scoring its last 3 tokens: ``terms()`` gives each
+    trajectory's ``-sum_t w_t log p(y_t)``, ``cu`` its cumulative lengths."""
+    from ess_patch.demo.cpu import megatron_on_cpu
+
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    row = torch.randint(0, VOCAB, (1, total), generator=gen)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    causal = torch.ones(total, total).tril().bool()
+    masked = ~(causal & (seg[:, None] == seg[None, :]))  # megatron: True = masked out
+    scored = torch.cat([torch.arange(e - 3, e) for e in cu[1:].tolist()])
+    targets = torch.randint(0, VOCAB, (scored.numel(),), generator=gen)
+    w = torch.rand(scored.numel(), generator=gen) + 0.5
 
     def terms():
-        pos = torch.arange(row.shape[1])[None]
-        from ess_patch.demo.cpu import megatron_on_cpu
-
+        pos = torch.arange(total)[None]
         with megatron_on_cpu():
-            logits = model(row, pos, None)[:, -RESPONSE:]
-        lp = torch.log_softmax(logits, -1).gather(2, tokens[:1, :, None]).squeeze(-1)[0]
-        return torch.zeros(2).index_add(0, seg, -(w[0] * lp))
+            logits = model(row, pos, masked[None, None])[0, scored]
+        lp = torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
+        return torch.zeros(len(lengths)).index_add(0, seg[scored], -(w * lp))
 
+    return terms, cu
+
+
+def test_packed_rows_on_both_paths_match_one_backward_per_trajectory(world):
+    """Several trajectories in one packed row: the exact path and the rules given
+    ``cu_seqlens`` (each token laid back into its trajectory's row) give each trajectory's
+    norm; the rules without ``cu_seqlens`` refuse rather than return one norm for the row."""
+    model = _gpt(**dict(MODERN))
+    terms, cu = _packed_row(model)
     params = [p for p in model.parameters() if p.requires_grad]
     want = torch.stack(
         [
             sum(g.double().square().sum() for g in torch.autograd.grad(terms()[k], params))
-            for k in range(2)
+            for k in range(len(cu) - 1)
         ]
     )
-    res = norm_pass(model, terms, path="exact")
-    assert torch.allclose(res.sq_norms, want, rtol=1e-6)
-    with pytest.raises(ValueError, match="path='exact'"):
+    assert torch.allclose(norm_pass(model, terms, path="exact").sq_norms, want, rtol=1e-6)
+    got = norm_pass(model, terms, cu_seqlens=cu).sq_norms
+    assert torch.allclose(got, want, rtol=2e-5), (got, want)
+    with pytest.raises(ValueError, match="cu_seqlens=") as refused:
         norm_pass(model, terms)
+    assert "path='exact'" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("cu", "match"),
+    [([0, 9, 5, 26], "never decrease"), ([1, 26], "start at 0"), ([0, 10, 40], "at least")],
+    ids=["decreasing", "not-from-0", "longer-than-the-row"],
+)
+def test_bad_cu_seqlens_are_named_and_change_nothing(world, cu, match):
+    model = _gpt(**dict(MODERN))
+    terms, _ = _packed_row(model)
+    before = {k: v.clone() for k, v in model.named_parameters()}
+    with pytest.raises(ValueError, match=match):
+        norm_pass(model, terms, cu_seqlens=cu)
+    assert all(torch.equal(before[k], v) for k, v in model.named_parameters())
+    assert all(p.grad is None and p.requires_grad for p in model.parameters())
 
 
 def _ppo_step(model, ids, tokens, old_lp, adv):

@@ -49,8 +49,9 @@ and keep their autograd gradient (overwritten by ``apply()``).
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -266,6 +267,7 @@ class PerTrajectoryGrads:
         self._frozen = linear if defer_linear_weights and others else []
         self._capturing = False
         self._in_exact = False
+        self._cu: list[int] | None = None
         self._handles = [s.module.register_forward_hook(self._forward_hook(s)) for s in self._sites]
 
     def _tied_output(self, model: torch.nn.Module) -> tuple[_Site, _Site] | None:
@@ -362,6 +364,44 @@ class PerTrajectoryGrads:
             site.rows.append(len(roots))
             site.pieces.append(pieces)
 
+    # ---------------------------------------------------------------- packed rows
+    def packed(self, cu_seqlens: torch.Tensor | Sequence[int] | None) -> None:
+        """The next passes run packed (THD) rows: one row of ``cu_seqlens[-1]`` tokens holding
+        trajectory ``i`` at ``cu_seqlens[i]:cu_seqlens[i+1]``; ``None``: one trajectory per
+        row again. Every captured token is laid out back into its trajectory's row (zeros
+        after its end), so the rules and the rewrite work as on padded rows. Valid where the
+        trajectories do not see each other (THD attention, per-sequence positions); tokens
+        past ``cu_seqlens[-1]`` (THD padding) belong to no trajectory and are left out."""
+        if cu_seqlens is None:
+            self._cu = None
+            return
+        cu = [int(v) for v in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
+        if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in itertools.pairwise(cu)):
+            raise EssPatchValueError(
+                f"PerTrajectoryGrads.packed: cu_seqlens={cu[:8]}... must start at 0 and never "
+                "decrease (the cumulative sequence lengths of the packed row, megatron's "
+                "PackedSeqParams.cu_seqlens_q)"
+            )
+        self._cu = cu
+
+    def _unpack(self, t: torch.Tensor, batch_dim: int) -> torch.Tensor:
+        """A packed row's ``t`` (batch ``1`` at ``batch_dim``, tokens next to it) as padded
+        rows, the layout of ``t`` kept: ``[T, 1, .] -> [S, N, .]``, ``[1, T, .] -> [N, S, .]``."""
+        cu = self._cu
+        assert cu is not None
+        time_dim = 1 - batch_dim
+        if t.shape[batch_dim] != 1 or t.shape[time_dim] < cu[-1]:
+            raise EssPatchValueError(
+                f"PerTrajectoryGrads: a packed pass needs rows of one packed sequence of at "
+                f"least cu_seqlens[-1] = {cu[-1]} tokens; a module saw shape {tuple(t.shape)}"
+            )
+        flat = t.select(batch_dim, 0)  # [T, .]
+        lengths = [b - a for a, b in itertools.pairwise(cu)]
+        out = flat.new_zeros((len(lengths), max(lengths), *flat.shape[1:]))
+        for k, (start, length) in enumerate(zip(cu, lengths, strict=False)):
+            out[k, :length] = flat[start : start + length]
+        return out if batch_dim == 0 else out.transpose(0, 1)
+
     # ---------------------------------------------------------------- capture
     def _forward_hook(self, site: _Site):
         def hook(module: torch.nn.Module, inputs: tuple, output: Any) -> None:
@@ -372,14 +412,21 @@ class PerTrajectoryGrads:
                 return
             k = len(site.inputs)
             x = inputs[0].detach()
+            batch_dim = 0 if site.kind == "embedding" else 1  # ids [b, s]; megatron's [s, b, .]
+            packed = self._cu is not None
+            if packed:
+                x = self._unpack(x, batch_dim)
             site.inputs.append(x)
-            site.rows.append(x.shape[0] if site.kind == "embedding" else x.shape[1])
+            site.rows.append(x.shape[batch_dim])
             site.pieces.append(None)
 
             def grad_hook(grad: torch.Tensor) -> None:
                 if self._in_exact:  # add_exact's own backward passes, not the training one
                     return
-                site.pieces[k] = self._pieces(site, site.inputs[k], grad.detach())
+                grad = grad.detach()
+                if packed:
+                    grad = self._unpack(grad, batch_dim)
+                site.pieces[k] = self._pieces(site, site.inputs[k], grad)
                 site.inputs[k] = None  # held by the pieces where still needed
 
             out.register_hook(grad_hook)
