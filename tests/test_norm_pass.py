@@ -104,6 +104,26 @@ def test_packed_rows_on_both_paths_match_one_backward_per_trajectory(world):
     assert "path='exact'" in str(refused.value)
 
 
+def test_the_rewrite_on_a_packed_row_is_the_coefficient_weighted_gradient(world):
+    """The in-step form on a packed row: ``apply(c)`` writes ``sum_i c_i grad(term_i)``."""
+    from ess_patch.per_trajectory import PerTrajectoryGrads
+
+    model = _gpt(**dict(MODERN))
+    terms, cu = _packed_row(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    c = torch.tensor([0.7, -1.3, 0.2, 2.0])
+    want = torch.autograd.grad((c * terms()).sum(), params)
+    pg = PerTrajectoryGrads(model)
+    pg.start()
+    pg.packed(cu)
+    terms().sum().backward()
+    pg.stop()
+    pg.apply(c)
+    pg.remove()
+    for p, g in zip(params, want, strict=True):
+        assert torch.allclose(p.grad, g, rtol=1e-4, atol=1e-6 * float(g.abs().max())), p.shape
+
+
 @pytest.mark.parametrize(
     ("cu", "match"),
     [([0, 9, 5, 26], "never decrease"), ([1, 26], "start at 0"), ([0, 10, 40], "at least")],
