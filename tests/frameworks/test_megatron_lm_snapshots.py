@@ -78,6 +78,8 @@ BASELINE = {
     "test_tp2_the_sharded_model_gives_the_b_star_of_one_process[packed]",
     "test_pp2_both_stages_give_the_b_star_of_one_process[padded]",
     "test_pp2_both_stages_give_the_b_star_of_one_process[packed]",
+    "test_the_train_step_trains_on_b_star_advantages[padded]",
+    "test_the_train_step_trains_on_b_star_advantages[packed]",
     "test_a_baseline_that_would_not_apply_stops_every_rank[unhooked]",
     "test_a_baseline_that_would_not_apply_stops_every_rank[multi-turn]",
 }

@@ -266,6 +266,13 @@ def _host(
         curr_iteration=0,
         pipeline_model_parallel_size=1,
         context_parallel_size=1,
+        # what train_rl.py's forward_step and loss_func read (upstream's defaults)
+        grpo_clamp_eps_lower=0.2,
+        grpo_clamp_eps_upper=0.2,
+        grpo_kl_beta=0.02,
+        grpo_entropy_term_weight=0.0,
+        check_for_nan_in_loss_and_grad=False,
+        check_for_spiky_loss=False,
     )
 
 
@@ -314,6 +321,78 @@ def _advantages_of(batches: list[list[torch.Tensor]], packing: bool) -> list[flo
     if packing:
         return [float(x) for a in batches[-2] for x in a.double()]
     return [float(x) for batch in batches for x in batch[1].double()]
+
+
+def _train_rl():
+    """The tree's own ``train_rl.py`` (its ``forward_step`` and ``loss_func``). Its model
+    builders (``gpt_builders``, ``mamba_builders`` / ``hybrid_builders``, ``model_provider``:
+    files of a full Megatron-LM checkout, not of these snapshots) are import-time names only:
+    the test hands ``forward_step`` its model, so they stand in as modules that refuse a call."""
+    import importlib
+    import types
+
+    def refuse(*_a, **_k):
+        raise AssertionError("train_rl's model builders are not used by this test")
+
+    for name, attr in (
+        ("gpt_builders", "gpt_builder"),
+        ("mamba_builders", "mamba_builder"),
+        ("hybrid_builders", "hybrid_builder"),
+        ("model_provider", "model_provider"),
+    ):
+        if name not in sys.modules:
+            module = types.ModuleType(name)
+            setattr(module, attr, refuse)
+            sys.modules[name] = module
+    return importlib.import_module("train_rl")
+
+
+def _train_step(rl_utils, iterator, model, batches: int, micro: int) -> dict:
+    """One real train step on what ``prepare_data_for_update`` returned: megatron-core's
+    schedule runs ``train_rl.forward_step`` (upstream's ``get_logprobs`` with grad,
+    ``calculate_grpo_loss``: PPO-clipped eps 0.2, KL beta 0.02, the IS correction) and
+    ``loss_func``, then an SGD step. Returns the advantages ``calculate_grpo_loss`` was handed,
+    per micro-batch (packed: and the bin each loaded), and how far the weights moved."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    train_rl = _train_rl()
+    seen: list[list[float]] = []
+    real = train_rl.calculate_grpo_loss
+
+    def spy(*args, **kwargs):
+        seen.append([float(a) for a in kwargs["advantages"].detach().double().flatten()])
+        return real(*args, **kwargs)
+
+    bins: list[int] = []  # packed: the bin each micro-batch loaded
+    load = train_rl.load_packed_data_by_index
+
+    def load_spy(bin_idx, *args, **kwargs):
+        bins.append(int(bin_idx))
+        return load(bin_idx, *args, **kwargs)
+
+    train_rl.calculate_grpo_loss = spy
+    train_rl.load_packed_data_by_index = load_spy
+    before = [p.detach().clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    try:
+        get_forward_backward_func()(
+            forward_step_func=train_rl.forward_step,
+            data_iterator=iterator,
+            model=[model],
+            num_microbatches=batches,
+            seq_length=S,
+            micro_batch_size=micro,
+            forward_only=False,
+        )
+    finally:
+        train_rl.calculate_grpo_loss = real
+        train_rl.load_packed_data_by_index = load
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= 0.1 * p.grad
+    moved = max(float((p - b).abs().max()) for p, b in zip(model.parameters(), before))
+    return {"seen": seen, "loaded": bins, "moved": moved}
 
 
 def rank_prepare(packing: bool = False, case: str = "normal", tp: int = 1) -> dict:
@@ -378,6 +457,32 @@ def rank_prepare(packing: bool = False, case: str = "normal", tp: int = 1) -> di
     ess_patch.install(["megatron", "megatron_rl"])
     out: dict = {"dp_rank": dp_rank, "share": share}
     try:
+        if case == "train":  # prepare_data_for_update, then the train step on its iterator
+            host = global_vars._GLOBAL_ARGS = _host("on", "rules", packing)
+            # packed: one bin per micro-batch, as Megatron's argument check requires
+            host.micro_batch_size = 1 if packing else 2
+            calculator.destroy_num_microbatches_calculator()
+            calculator.init_num_microbatches_calculator(
+                0, None, G * N, host.micro_batch_size, dp, False
+            )
+            with megatron_on_cpu():
+                it = _prepare(
+                    rl_utils,
+                    rl_utils.prepare_data_for_update,
+                    model,
+                    _rollouts(samples),
+                    tokenizer,
+                    packing,
+                )
+                count = batches
+                if packing:
+                    ctx = rl_utils.get_rl_runtime_state().packing_context
+                    out["bins"] = [
+                        [int(i) for i in seqs] for seqs in ctx.packing_info.bin_seq_indices
+                    ]
+                    count = len(out["bins"])
+                out.update(_train_step(rl_utils, it, model, count, host.micro_batch_size))
+            return out
         if case not in ("normal", "pp2"):
             saved = vars(rl_utils)["calculate_grpo_advantages"]
             if case == "unhooked":
@@ -564,3 +669,30 @@ def test_a_baseline_that_would_not_apply_stops_every_rank(case, tmp_path):
         assert all("calculate_grpo_advantages did not run" in e for e in errors), errors
     else:
         assert "multi-turn" in errors[0] and "another DP rank" in errors[1], errors
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_the_train_step_trains_on_b_star_advantages(packing, tmp_path):
+    """Past ``prepare_data_for_update``: the tree's own ``train_rl.forward_step`` and
+    ``loss_func`` through megatron-core's schedule on the iterator it returned (DP2, one group
+    split over the ranks): every row ``calculate_grpo_loss`` is handed (packed: every
+    sequence of every bin) carries ``(R - b*) / (1e-4 + std)`` from brute-force norms, and the
+    step moves the weights."""
+    ranks = run_ranks(rank_prepare, dp=2, args=(packing, "train"), tmp_path=tmp_path, timeout=300)
+    want, grpo, _ = expected()
+    got = torch.full((G * N,), float("nan"), dtype=torch.float64)
+    for r in ranks:
+        assert r["moved"] > 0
+        if packing:
+            assert sorted(r["loaded"]) == list(range(len(r["bins"])))  # each bin once
+            for b, adv in zip(r["loaded"], r["seen"], strict=True):
+                seqs = r["bins"][b]
+                assert len(adv) == len(seqs), (seqs, adv)
+                got[seqs] = torch.tensor(adv, dtype=torch.float64)
+        else:
+            rows = slice(r["dp_rank"] * r["share"], (r["dp_rank"] + 1) * r["share"])
+            got[rows] = torch.tensor([a for batch in r["seen"] for a in batch])
+    assert not torch.isnan(got).any()  # every rollout trained
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got, want)
+    assert (got - grpo).abs().max() > 1e-3
