@@ -1,11 +1,15 @@
 """The norm pass's cost beside one training step (forward + backward), on CPU.
 
-    python -m benchmarks.norm_pass_cost [--hidden 128] [--layers 4] [--n 16] [--len 64]
+    python -m benchmarks.norm_pass_cost [--hidden 128] [--layers 4] [--n 16] [--len 64] [--packed]
 
 Model: megatron-core GPTModel, local spec (RMSNorm, no bias, SwiGLU, GQA, rope). The step is
 the forward and backward of a PPO-clipped loss over the same ``n`` rows; the norm pass is
 ``ess_patch.norm_pass`` on ``sum_t w_t log p`` (path "rules": one backward with no weight
-gradient; "exact": one backward per row). Median of ``--repeat`` runs each.
+gradient; "exact": one backward per row). Median of ``--repeat`` runs each. ``--packed``: the
+same ``n`` trajectories packed in one THD row (``n * len`` tokens, a block-diagonal causal mask
+standing in for THD attention, which megatron-core's local spec lacks), the step and the pass
+(rules given ``cu_seqlens``) both on it; the mask makes attention quadratic in the row on CPU,
+so compare the ratio, not the seconds, with the padded run.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ def main() -> None:
     parser.add_argument("--len", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--packed", action="store_true", help="one packed (THD) row")
     args = parser.parse_args()
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -63,9 +68,20 @@ def main() -> None:
         pos = torch.arange(args.len)[None].expand(args.n, -1)
         old = -torch.rand(args.n, args.len - 1)
         adv = torch.randn(args.n, 1)
+        cu = None
+        if args.packed:  # row i of the padded batch is trajectory i of the packed row
+            total = args.n * args.len
+            seg = torch.arange(total) // args.len
+            causal = torch.ones(total, total).tril().bool()
+            mask = ~(causal & (seg[:, None] == seg[None, :]))[None, None]
+            cu = torch.arange(args.n + 1) * args.len
 
         def logp():
-            logits = model(ids, pos, None)[:, :-1].float()
+            if cu is None:
+                logits = model(ids, pos, None)[:, :-1].float()
+            else:
+                flat = model(ids.reshape(1, -1), pos.reshape(1, -1), mask).float()
+                logits = flat.view(args.n, args.len, -1)[:, :-1]
             return torch.log_softmax(logits, -1).gather(2, ids[:, 1:, None]).squeeze(-1)
 
         def step():
@@ -89,11 +105,12 @@ def main() -> None:
 
         params = sum(p.numel() for p in model.parameters())
         t_step = timed(step, args.repeat)
-        t_rules = timed(lambda: norm_pass(model, terms), args.repeat)
+        t_rules = timed(lambda: norm_pass(model, terms, cu_seqlens=cu), args.repeat)
         t_exact = timed(lambda: norm_pass(model, terms, path="exact"), max(1, args.repeat // 2))
         print(
             f"# GPT h{args.hidden} L{args.layers} V{args.vocab}, {params / 1e6:.2f} M params, "
-            f"{args.n} rows x {args.len} tokens, CPU, {torch.get_num_threads()} threads"
+            f"{args.n} {'trajectories packed in one row' if args.packed else 'rows'} x "
+            f"{args.len} tokens, CPU, {torch.get_num_threads()} threads"
         )
         print("| form | seconds | of the training step |")
         print("|---|---|---|")
