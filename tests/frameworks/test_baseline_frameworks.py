@@ -27,6 +27,7 @@ from rollouts import SHAPES, host_args
 from upstream import (
     MINIMAL_ARGV,
     miles_parallel_state,
+    no_snapshot_param,
     parse_upstream_args,
     snapshots,
     tier_reason,
@@ -41,7 +42,7 @@ N_PER_PROMPT, VOCAB = 4, 16
 def _params():
     found = snapshots()
     if not found:
-        return [pytest.param(None, None, marks=pytest.mark.skip(reason="no upstream snapshot"))]
+        return [no_snapshot_param()]
     return [
         pytest.param(
             fw,

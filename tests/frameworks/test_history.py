@@ -29,7 +29,7 @@ import re
 from pathlib import Path
 
 import pytest
-from upstream import snapshots, tier_reason
+from upstream import no_snapshot_param, snapshots, tier_reason
 
 HERE = Path(__file__).resolve().parent
 # run in the fresh interpreter: the probe module from this folder, its report emitted
@@ -59,8 +59,7 @@ GROUPS = {
 def _params():
     found = snapshots()
     if not found:
-        reason = "no upstream snapshot (set ESS_PATCH_UPSTREAM, MILES_SRC or SLIME_SRC)"
-        return [pytest.param(None, None, marks=pytest.mark.skip(reason=reason))]
+        return [no_snapshot_param()]
     return [
         pytest.param(
             fw,

@@ -40,6 +40,7 @@ from upstream import (
     ENV_VARS,
     MINIMAL_ARGV,
     miles_parallel_state,
+    no_snapshot_param,
     parse_upstream_args,
     skip_reason,
     snapshots,
@@ -122,8 +123,7 @@ def _snapshot_params(tier: str = "loss"):
     else:
         found = snapshots()
     if not found:
-        reason = "no upstream snapshot (set ESS_PATCH_UPSTREAM, MILES_SRC or SLIME_SRC)"
-        return [pytest.param(None, None, marks=pytest.mark.skip(reason=reason))]
+        return [no_snapshot_param()]
     return [
         pytest.param(
             fw,

@@ -24,7 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from upstream import snapshots, tier_reason
+from upstream import no_snapshot_param, snapshots, tier_reason
 
 from ess_patch import EssLrConfig
 
@@ -118,8 +118,7 @@ CASES = {
 def _params():
     found = snapshots()
     if not found:
-        reason = "no upstream snapshot (set ESS_PATCH_UPSTREAM, MILES_SRC or SLIME_SRC)"
-        return [pytest.param(None, None, marks=pytest.mark.skip(reason=reason))]
+        return [no_snapshot_param()]
     return [
         pytest.param(
             fw,

@@ -185,6 +185,20 @@ def snapshots() -> list[tuple[str, Path]]:
     ]
 
 
+NO_SNAPSHOT = (
+    "no miles/slime snapshot: runs where $ESS_PATCH_UPSTREAM (or MILES_SRC / SLIME_SRC) names "
+    "one, as tox -e frameworks and .ci/run set it to ../shared/upstream"
+)
+
+
+def no_snapshot_param(width: int = 2) -> Any:
+    """The one parameter set of a test parametrized over :func:`snapshots` when there are none:
+    skipped, saying why and when it runs (never an empty parametrization)."""
+    import pytest
+
+    return pytest.param(*([None] * width), marks=pytest.mark.skipif(True, reason=NO_SNAPSHOT))
+
+
 def megatron_lm_snapshots() -> list[Path]:
     """Every ``megatron-lm-*`` folder of the upstream root that holds Megatron-RL
     (``megatron/rl/rl_utils.py``), sorted by name; empty when there is no root."""
