@@ -102,7 +102,7 @@ def world(tmp_path, clean_ess):
 def test_slime_trains_on_r_minus_b_star(world, path):
     from ledger_run import slime_train
 
-    ess_patch.install(["megatron", "slime"])
+    ess_patch.install()  # the README's call: every integration it finds
     flags = ["--use-ess-baseline", "--ess-baseline-path", path, "--global-batch-size", "8"]
     _check([slime_train(flags, rollouts=1, steps=1, spy=True)])
 
@@ -112,7 +112,7 @@ def test_slime_trains_on_r_minus_b_star(world, path):
 def test_miles_trains_packed_thd_on_r_minus_b_star(world, path):
     from ledger_run import miles_train
 
-    ess_patch.install(["megatron", "miles"])
+    ess_patch.install()  # the README's call: every integration it finds
     flags = ["--use-ess-baseline", "--ess-baseline-path", path, "--global-batch-size", "8"]
     _check([miles_train(flags, rollouts=1, spy=True)])
 
@@ -135,7 +135,7 @@ def _rank_train(fw: str, flags: list[str], tp: int = 1, pp: int = 1) -> dict:
         # megatron's p2p synchronizes CUDA around its shape exchange: nothing to wait for here
         torch.cuda.synchronize = lambda *_a: None
     with megatron_on_cpu():
-        ess_patch.install(["megatron", fw])
+        ess_patch.install()  # the README's call, as in every rank of a job
         if fw == "slime":
             run = slime_train(flags, rollouts=1, steps=1, spy=True)
         else:
