@@ -125,8 +125,8 @@ def whole_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         stages: list[Any] = [None] * torch.distributed.get_world_size(pp)
         torch.distributed.all_gather_object(stages, weights, group=pp)
         weights = {k: v for stage in stages for k, v in stage.items()}
-    group = parallel_state.get_tensor_model_parallel_group()
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        group = parallel_state.get_tensor_model_parallel_group()
         shard = weights["head.weight"]
         parts = [torch.empty_like(shard) for _ in range(torch.distributed.get_world_size(group))]
         torch.distributed.all_gather(parts, shard.contiguous(), group=group)
