@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: harness
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -235,13 +236,33 @@ ACTOR = "actor_rollout_ref.actor"
 #: clipping at verl's default eps 0.2, mini-batches of 2, micro-batches of 2
 HYDRA = [f"{ACTOR}.ppo_mini_batch_size=2", f"{ACTOR}.ppo_micro_batch_size_per_gpu=2"]
 ON_KEY = [*HYDRA, f"+{ACTOR}.grad_baselining.enable=true"]
+#: the two forms of verl's Megatron forward (its own ``forward_backward_batch``): every
+#: micro-batch packed into one THD row with ``cu_seqlens`` (``megatron.use_remove_padding``,
+#: verl's default), or padded rows (bshd)
+LAYOUTS = {"packed": [], "padded": [f"{ACTOR}.megatron.use_remove_padding=false"]}
+
+
+def has_padded_forward(src: Path) -> bool:
+    """Whether the legacy actor offers the padded form (v0.7.0 on; v0.6.x always packs)."""
+    text = (src / "verl" / "workers" / "actor" / "megatron_actor.py").read_text()
+    return "use_remove_padding" in text
+
+
+def layouts(snapshots: list[Path]) -> list:
+    """``(src, layout)`` for each snapshot and each form of :data:`LAYOUTS` it has."""
+    return [
+        pytest.param(src, layout, id=f"{src.name}-{layout}")
+        for src in snapshots
+        for layout in LAYOUTS
+        if layout == "packed" or has_padded_forward(src)
+    ]
 
 
 def _by_sample(expect: dict, r: dict) -> dict[int, list[list[float]]]:
     """Each sample's advantage rows as verl's loss saw them on this rank."""
     out: dict[int, list[list[float]]] = {}
-    for ids, adv in r["seen"]:
-        out.setdefault(expect["rows"][tuple(ids)], []).append(adv)
+    for old, adv, _, _ in r["seen"]:
+        out.setdefault(expect["rows"][tuple(old)], []).append(adv)
     return out
 
 
@@ -255,6 +276,14 @@ def _check_applied(expect: dict, ranks: list[dict], want: list[float] | None = N
         for i, rows in _by_sample(expect, r).items():
             seen.setdefault(i, []).extend(rows)
     assert sorted(seen) == list(range(len(want)))
+    before_any_step = 0
+    for r in ranks:  # verl's own forward (packed or padded) on the weights not yet stepped
+        for old, _, log_prob, steps in r["seen"]:
+            if steps == 0:
+                i, before_any_step = expect["rows"][tuple(old)], before_any_step + 1
+                lp = expect["log_probs"][i]
+                assert log_prob[: len(lp)] == pytest.approx(lp, rel=1e-4, abs=1e-5), i
+    assert before_any_step > 0
     for i, rows in seen.items():
         mask = expect["masks"][i]
         for row in rows:
@@ -265,21 +294,24 @@ def _check_applied(expect: dict, ranks: list[dict], want: list[float] | None = N
 
 @needs_verl
 @pytest.mark.dist
-@pytest.mark.parametrize("src", LEGACY, ids=lambda p: p.name)
-def test_the_legacy_actor_trains_on_r_minus_b_star_from_brute_force_norms(tmp_path, src):
-    """VCPO's key through verl's real config; verl's real make_minibatch_iterator /
-    update_policy on megatron-core's GPTModel (local spec) with verl's own PPO-clipped loss;
-    GRPO's advantages from verl's compute_grpo_outcome_advantage, both prompt groups split
-    over the two DP ranks: every mini-batch trains on A - b* (b* from one backward per
-    trajectory), single process and DP2; the exact path agrees; the caller's batch is kept."""
+@pytest.mark.parametrize(("src", "layout"), layouts(LEGACY))
+def test_the_legacy_actor_trains_on_r_minus_b_star_from_brute_force_norms(tmp_path, src, layout):
+    """VCPO's key through verl's real config; verl's real MegatronPPOActor
+    (make_minibatch_iterator, update_policy, forward_backward_batch: its own forward, packed
+    or padded, through megatron-core's schedule) on megatron-core's GPTModel (local spec)
+    with verl's own PPO-clipped loss; GRPO's advantages from verl's
+    compute_grpo_outcome_advantage, both prompt groups split over the two DP ranks: every
+    mini-batch trains on A - b* (b* from one backward per trajectory), single process and
+    DP2; the exact path agrees; the caller's batch is kept."""
     expect = _expected(tmp_path, src)
     moved = max(abs(a - b) for a, b in zip(expect["expected"], expect["grpo"], strict=True))
     assert moved > 1e-3  # b* is not the group mean: the check can tell them apart
+    on = [*ON_KEY, *LAYOUTS[layout]]
     for dp in (1, 2):
         ranks = run_ranks(
             _baseline_rank,
             dp=dp,
-            args=(str(src), {"hydra": ON_KEY}),
+            args=(str(src), {"hydra": on}),
             tmp_path=tmp_path / f"dp{dp}",
             timeout=300,
         )
@@ -298,13 +330,15 @@ def test_the_legacy_actor_trains_on_r_minus_b_star_from_brute_force_norms(tmp_pa
     exact = run_ranks(
         _baseline_rank,
         dp=2,
-        args=(str(src), {"hydra": ON_KEY, "env": {"ESS_LR_BASELINE_PATH": "exact"}}),
+        args=(str(src), {"hydra": on, "env": {"ESS_LR_BASELINE_PATH": "exact"}}),
         tmp_path=tmp_path / "exact",
         timeout=300,
     )
     _check_applied(expect, exact)
     # verl's shuffled mini-batches over two epochs: each row read back wherever it lands
-    shuffled = [*ON_KEY, f"{ACTOR}.shuffle=true", f"{ACTOR}.ppo_epochs=2"]
+    # (verl's actor asks for a seed when it shuffles)
+    shuffle = [f"{ACTOR}.shuffle=true", f"{ACTOR}.ppo_epochs=2", f"{ACTOR}.data_loader_seed=0"]
+    shuffled = [*on, *shuffle]
     ranks = run_ranks(
         _baseline_rank,
         dp=2,
@@ -318,8 +352,8 @@ def test_the_legacy_actor_trains_on_r_minus_b_star_from_brute_force_norms(tmp_pa
 
 @needs_verl
 @pytest.mark.dist
-@pytest.mark.parametrize("src", ONE_OF_EACH[:1], ids=lambda p: p.name)
-def test_tp2_and_dp2_x_tp2_train_on_r_minus_b_star(tmp_path, src):
+@pytest.mark.parametrize(("src", "layout"), layouts(ONE_OF_EACH[:1]))
+def test_tp2_and_dp2_x_tp2_train_on_r_minus_b_star(tmp_path, src, layout):
     """The GPTModel TP-sharded over two ranks (vocabulary-parallel logits: the norm pass's
     TP-reduced log-softmax, norms summed over TP): every mini-batch on every rank trains on
     A - b*, b* from one backward per trajectory on that same sharded model (summed over TP),
@@ -329,7 +363,7 @@ def test_tp2_and_dp2_x_tp2_train_on_r_minus_b_star(tmp_path, src):
         ranks = run_ranks(
             _baseline_rank,
             dp=world,
-            args=(str(src), {"hydra": ON_KEY, "tp": 2}),
+            args=(str(src), {"hydra": [*ON_KEY, *LAYOUTS[layout]], "tp": 2}),
             tmp_path=tmp_path / f"world{world}",
             timeout=400,
         )
@@ -350,14 +384,22 @@ def test_tp2_and_dp2_x_tp2_train_on_r_minus_b_star(tmp_path, src):
 
 @needs_verl
 @pytest.mark.dist
-@pytest.mark.parametrize("src", ONE_OF_EACH[:1], ids=lambda p: p.name)
-def test_pp2_both_stages_train_on_r_minus_b_star(tmp_path, src):
-    """Two pipeline stages of the one-process weights: the norm pass crosses them
-    (activations down, gradients back) and every mini-batch on both stages carries A - b*
-    with b* from one backward per trajectory on the whole model, on rules, exact and proxy.
-    (The CPU stand-in of forward_backward_batch has no pipeline schedule: under PP it records
-    what each mini-batch carries and trains on nothing.)"""
+@pytest.mark.parametrize(("src", "layout"), layouts(ONE_OF_EACH[:1]))
+def test_pp2_both_stages_train_on_r_minus_b_star(tmp_path, src, layout):
+    """Two pipeline stages of the one-process weights, through megatron-core's pipeline
+    schedule (verl's own forward_backward_batch): the norm pass crosses the stages
+    (activations down, gradients back); every mini-batch the last stage's loss gets carries
+    A - b* with b* from one backward per trajectory on the whole model, on rules, exact and
+    proxy; and both stages end with the weights of the one-process run (rules, exact)."""
+    sys.path.insert(0, str(HERE.parent))
+    from pipeline_ranks import stage_weights
+
     expect = _expected(tmp_path, src)
+    hydra = [*ON_KEY, *LAYOUTS[layout]]
+    (one,) = run_ranks(
+        _baseline_rank, args=(str(src), {"hydra": hydra}), tmp_path=tmp_path / "one", timeout=300
+    )
+    _check_applied(expect, [one])
     for path, want in (
         ("rules", expect["expected"]),
         ("exact", expect["expected"]),
@@ -367,14 +409,23 @@ def test_pp2_both_stages_train_on_r_minus_b_star(tmp_path, src):
         ranks = run_ranks(
             _baseline_rank,
             pp=2,
-            args=(str(src), {"hydra": ON_KEY, "pp": 2, "env": env}),
+            args=(str(src), {"hydra": hydra, "pp": 2, "env": env}),
             tmp_path=tmp_path / path,
             timeout=300,
         )
         assert [r["pp"] for r in ranks] == [0, 1]
-        for r in ranks:  # each stage alone saw every sample: check them one stage at a time
-            _check_applied(expect, [r], want=want)
+        assert "error" not in ranks[0], ranks[0]["error"]
+        assert ranks[0]["seen"] == []  # the loss runs on the last stage alone
+        _check_applied(expect, [ranks[1]], want=want)
+        for r in ranks:
             assert r["metrics"]["actor/ess_baseline_applied"] == [1.0]
+            assert not r["params_unchanged"]
+            if path == "proxy":  # another b*: other weights
+                continue
+            mine = stage_weights(one["state"], r["pp"], 2, 2)
+            assert sorted(mine) == sorted(r["state"])
+            for name, value in r["state"].items():
+                assert torch.allclose(value, mine[name], rtol=1e-4, atol=1e-6), (path, name)
 
 
 @needs_verl

@@ -2,11 +2,18 @@
 
 ``refusal_probe``: every verl path that cannot apply VCPO's baseline, called through verl's
 own (patched) method with the baseline asked for each way; what each call raised.
+
+``run_baseline``: verl's real ``MegatronPPOActor`` (its ``__init__``, ``make_minibatch_iterator``,
+``update_policy`` and ``forward_backward_batch``: verl's own forward, packed THD or padded, its
+loss, megatron-core's schedule, pipeline included) around megatron-core's GPTModel (local
+spec; the THD attention TE serves on a GPU is ``thd_attention``'s CPU counterpart), megatron
+DDP and a real megatron-core optimizer. verl's policy loss records what it gets.
 """
 
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 from typing import Any
 
 from verl_rank import _import_verl, has_engine_path, has_legacy_actor
@@ -105,12 +112,22 @@ def gpt_model(tp: int = 1, pp: tuple[int, int] | None = None) -> Any:
         use_cpu_initialization=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        # what verl's config converter sets: packed micro-batches differ in length, so the
+        # pipeline schedule sends each one's shape before its activations
+        variable_seq_lengths=True,
+        batch_p2p_comm=False,
+        moe_token_dispatcher_type="alltoall",  # megatron refuses the default beside them
     )
+    from thd_attention import ThdDotProductAttention
+
     stage, stages = pp or (0, 1)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    # verl packs its micro-batches (THD): TE's attention on a GPU, its CPU counterpart here
+    spec.submodules.self_attention.submodules.core_attention = ThdDotProductAttention
     torch.manual_seed(0)
     return GPTModel(
         config,
-        get_gpt_layer_local_spec(normalization="RMSNorm"),
+        spec,
         vocab_size=VOCAB,
         max_sequence_length=PROMPT_W + RESP_W,
         pre_process=stage == 0,
@@ -229,44 +246,33 @@ def _logp(model: Any, batch: Any) -> Any:
     return torch.stack(rows)
 
 
-def _ppo_forward(actor: Any, model: Any, seen: list) -> Any:
-    """The actor's ``forward_backward_batch`` on CPU: verl's own policy loss (this release's
-    ``get_policy_loss_fn``, PPO-clipped, eps from the actor config) on the GPT model's
-    log-probs of the mini-batch, one backward per micro-batch; records each row's advantages
-    (by sample: the row's tokens)."""
-    import torch
-    from megatron.core import parallel_state as mpu
-    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+def _record_policy_loss(seen: list, steps: list[int]) -> None:
+    """verl's own policy loss, as the real ``forward_backward_batch``'s ``loss_func`` calls it
+    (this release's ``get_policy_loss_fn``, PPO-clipped, eps from the actor config),
+    recording each row it gets: its old log-probs (which name the sample), its advantages,
+    the log-probs verl's forward computed, and how many optimizer steps ran before."""
+    import verl.workers.actor.megatron_actor as megatron_actor
 
-    staged = mpu.get_pipeline_model_parallel_world_size() > 1
+    real = megatron_actor.get_policy_loss_fn
 
-    def forward_backward_batch(data: Any, micro_batch_size: Any = None, **_kw: Any) -> dict:
-        outputs = []
-        for micro in data.batch.split(micro_batch_size or 2):
-            for k in range(micro["input_ids"].shape[0]):
-                seen.append((micro["input_ids"][k].tolist(), micro["advantages"][k].tolist()))
-            if staged:  # this stand-in has no pipeline schedule: what it trains on is recorded
-                outputs.append([{"actor/pg_loss": 0.0}, None])
-                continue
-            mode = actor.config.policy_loss.get("loss_mode", "vanilla")
-            result = get_policy_loss_fn(mode)(
-                old_log_prob=micro["old_log_probs"],
-                log_prob=_logp(model, micro),
-                advantages=micro["advantages"],
-                response_mask=micro["response_mask"].bool(),
-                loss_agg_mode=actor.config.loss_agg_mode,
-                config=actor.config,
-                rollout_is_weights=None,
-            )
-            loss = result[0]
-            loss.backward()
-            outputs.append([{"actor/pg_loss": float(loss)}, None])
-        for chunk in actor.actor_module:
-            chunk.finish_grad_sync()
-        return {"output": outputs}
+    def get_policy_loss_fn(mode: str) -> Any:
+        loss_fn = real(mode)
 
-    _ = torch
-    return forward_backward_batch
+        def recorded(**kwargs: Any) -> Any:
+            for k in range(kwargs["advantages"].shape[0]):
+                seen.append(
+                    (
+                        kwargs["old_log_prob"][k].tolist(),
+                        kwargs["advantages"][k].tolist(),
+                        kwargs["log_prob"][k].detach().tolist(),
+                        steps[0],
+                    )
+                )
+            return loss_fn(**kwargs)
+
+        return recorded
+
+    megatron_actor.get_policy_loss_fn = get_policy_loss_fn
 
 
 def _tamper_iterator(cls: Any) -> None:
@@ -327,7 +333,8 @@ def _optimizer(models: list) -> Any:
 def run_baseline(src: str, scenario: dict) -> dict:
     """One rank: install (unless ``no_install``), build verl's real ``MegatronPPOActor`` around
     the GPT model (megatron DDP, real optimizer) with the config from Hydra (``hydra``), run
-    ``make_minibatch_iterator`` and ``update_policy`` on this DP rank's chunk; report."""
+    ``make_minibatch_iterator`` and ``update_policy`` on this DP rank's chunk; report what
+    verl's loss got (``seen``), the metrics and the weights after."""
     import torch
 
     os.environ.update(scenario.get("env", {}))
@@ -368,17 +375,26 @@ def run_baseline(src: str, scenario: dict) -> dict:
         import verl.utils.config
 
         root = composed(src, scenario.get("hydra", []))
-        actor = object.__new__(MegatronPPOActor)
-        vars(actor).update(
-            config=verl.utils.config.omega_conf_to_dataclass(root.actor_rollout_ref.actor),
+        config = verl.utils.config.omega_conf_to_dataclass(root.actor_rollout_ref.actor)
+        # verl's own actor, as its worker builds it (a Qwen2 architecture: verl's text forward)
+        actor = MegatronPPOActor(
+            config=config,
+            model_config=None,
+            hf_config=SimpleNamespace(architectures=["Qwen2ForCausalLM"]),
+            tf_config=model.config,
             actor_module=[ddp],
             actor_optimizer=optimizer,
-            enable_routing_replay=False,
-            use_torch_profiler=False,
-            prof=None,
         )
         seen: list = []
-        actor.forward_backward_batch = _ppo_forward(actor, ddp, seen)
+        steps = [0]
+        _record_policy_loss(seen, steps)
+        step = optimizer.step
+
+        def counted_step(*args: Any, **kwargs: Any) -> Any:
+            steps[0] += 1
+            return step(*args, **kwargs)
+
+        optimizer.step = counted_step
         before = [p.detach().clone() for p in ddp.parameters()]
         data = verl_batch(scenario.get("seed", 0), gae_like=scenario.get("gae_like", False))
         local = data.chunk(dp_size)[dp_rank]
@@ -392,7 +408,12 @@ def run_baseline(src: str, scenario: dict) -> dict:
                 loader = local.make_iterator(mini_batch_size=2, epochs=1)
             else:
                 loader = actor.make_minibatch_iterator(local)
-            metrics = actor.update_policy(dataloader=loader)
+            # megatron's p2p synchronizes CUDA around each send (a no-op for gloo on CPU)
+            synchronize, torch.cuda.synchronize = torch.cuda.synchronize, lambda *_a: None
+            try:
+                metrics = actor.update_policy(dataloader=loader)
+            finally:
+                torch.cuda.synchronize = synchronize
             out["metrics"] = {k: v for k, v in metrics.items() if "ess_baseline" in k}
             out["pg_loss"] = metrics.get("actor/pg_loss")
             out["lr_scale"] = metrics.get("actor/lr_scale")
@@ -403,6 +424,11 @@ def run_baseline(src: str, scenario: dict) -> dict:
             torch.equal(a, b.detach()) for a, b in zip(before, ddp.parameters(), strict=True)
         )
         out["params"] = [p.detach().clone() for p in ddp.parameters()]
+        out["state"] = {
+            k: v.detach().clone()
+            for k, v in model.state_dict().items()
+            if not k.endswith("_extra_state")
+        }
         out["caller_data_kept"] = torch.equal(local.batch["advantages"], given) and (
             "_ess_patch_row" not in local.batch.keys()  # noqa: SIM118 - a TensorDict
         )
@@ -427,13 +453,14 @@ def expected_probe(src: str, seed: int = 0) -> dict:
     with megatron_on_cpu():
         model = gpt_model()
         params = [p for p in model.parameters() if p.requires_grad]
-        sq, proxy, sq_plain = [], [], []
+        sq, proxy, sq_plain, logps = [], [], [], []
         for i in range(N_SAMPLES):
             tokens = torch.cat([t["prompt"][i], t["response"][i]])
             total, r = tokens.numel(), RESP_LENS[i]
             logits = model(tokens[None], torch.arange(total)[None], None)[0]
             lp = torch.log_softmax(logits[total - r - 1 : total - 1].float(), -1)
             lp = lp.gather(1, tokens[total - r :, None]).squeeze(1)
+            logps.append(lp.tolist())
             w = torch.exp(t["old"][i] - t["rollout"][i])
             term = (t["mask"][i] * w * lp).sum()
             grads = torch.autograd.grad(term, params, retain_graph=True)
@@ -459,7 +486,8 @@ def expected_probe(src: str, seed: int = 0) -> dict:
     res = min_variance_baseline(None, grpo, torch.stack(sq), groups)
     res_proxy = min_variance_baseline(None, grpo, torch.stack(proxy), groups)
     res_plain = min_variance_baseline(None, grpo, torch.stack(sq_plain), groups)
-    rows = {tuple(batch.batch["input_ids"][k].tolist()): i for k, i in enumerate(ORDER)}
+    # a row by its old log-probs (what verl's policy loss gets; each sample's are its own)
+    rows = {tuple(batch.batch["old_log_probs"][k].tolist()): i for k, i in enumerate(ORDER)}
     return {
         "expected": res.advantages.tolist(),
         "expected_proxy": res_proxy.advantages.tolist(),
@@ -467,5 +495,6 @@ def expected_probe(src: str, seed: int = 0) -> dict:
         "grpo": grpo.tolist(),
         "sq": [float(x) for x in sq],
         "rows": rows,
+        "log_probs": logps,
         "masks": [m.tolist() for m in t["mask"]],
     }
