@@ -283,12 +283,14 @@ class LossSpy:
         self.seen: list[tuple[list[int], list[float]]] = []
         real = model_module.loss_function
 
-        def spy(args: Any, batch: Any, *rest: Any, **kw: Any) -> Any:
+        def spy(args: Any, *rest: Any, **kw: Any) -> Any:
+            # the micro-batch: the first dict (miles @78828a5c8 passes its parallel state first)
+            batch = next(a for a in rest if isinstance(a, dict))
             # packed (THD) micro-batches keep each sample's own tokens as "unconcat_tokens"
             tokens_of = batch["unconcat_tokens"] if "unconcat_tokens" in batch else batch["tokens"]
             for tokens, adv in zip(tokens_of, batch["advantages"], strict=True):
                 self.seen.append((tokens.tolist(), adv.tolist()))
-            return real(args, batch, *rest, **kw)
+            return real(args, *rest, **kw)
 
         self._patcher = mock.patch.object(model_module, "loss_function", spy)
 
@@ -494,6 +496,17 @@ def slime_parse(flags: Sequence[str]) -> Any:
     return args
 
 
+def _train_actor_extras(actor: Any, **wanted: Any) -> dict[str, Any]:
+    """Those of ``wanted`` this ``train_actor`` takes beyond the rollout (miles after 78527b910:
+    ``witness_info`` / ``attempt``; slime from v0.3.0: ``external_data``); critic values for
+    a ``train_actor`` without ``external_data`` are refused."""
+    import inspect
+
+    taken = inspect.signature(actor.train_actor).parameters
+    assert wanted.get("external_data") is None or "external_data" in taken, "no external_data"
+    return {k: v for k, v in wanted.items() if k in taken}
+
+
 def slime_train(
     flags: Sequence[str],
     *,
@@ -511,12 +524,17 @@ def slime_train(
     --keep-old-actor, which then computes the ``log_probs`` at the advantage hook)."""
     from argparse import Namespace
 
-    import slime.observability.logging_utils as logging_utils
     from megatron.core import parallel_state as mpu
     from megatron.training.global_vars import set_args
     from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
     from slime.backends.megatron_utils.model import get_optimizer_param_scheduler
-    from slime.observability.timer import Timer
+
+    try:  # slime after v0.3.1 moved its logging and timer into slime.observability
+        import slime.observability.logging_utils as logging_utils
+        from slime.observability.timer import Timer
+    except ImportError:
+        import slime.utils.logging_utils as logging_utils
+        from slime.utils.timer import Timer
 
     args = slime_parse(flags)
     set_args(args)
@@ -530,7 +548,14 @@ def slime_train(
     logged: list[dict] = []
     args.use_wandb = True
     # wandb's log, not ess-patch's hook (restored when done)
-    patcher = mock.patch.object(logging_utils, "wandb", Namespace(log=logged.append))
+    if hasattr(logging_utils, "wandb"):
+        patcher = mock.patch.object(logging_utils, "wandb", Namespace(log=logged.append))
+    else:  # slime v0.2.x logs through its tracking_utils
+        import slime.utils.tracking_utils as tracking_utils
+
+        patcher = mock.patch.object(
+            tracking_utils, "log", lambda _a, d, step_key=None: logged.append(dict(d))
+        )
     patcher.start()
     dp_rank = mpu.get_data_parallel_rank(with_context_parallel=False)
     dp_size = mpu.get_data_parallel_world_size(with_context_parallel=False)
@@ -573,7 +598,8 @@ def slime_train(
             import slime.backends.megatron_utils.model as model_module
 
             with LossSpy(model_module) if spy else contextlib.nullcontext() as seen:
-                actor.train_actor(rollout_id, data, external_data=external)
+                extras = _train_actor_extras(actor, external_data=external)
+                actor.train_actor(rollout_id, data, **extras)
             out["rollouts"].append(
                 {
                     "weights": current,
@@ -696,11 +722,14 @@ def miles_train(
     optimizer, _ = build_optimizer(args, models)
     scheduler = get_optimizer_param_scheduler(args, optimizer)
     actor = miles_actor(args, models, optimizer, scheduler)
+    actor.parallel_state = state  # what miles @78828a5c8's train_actor reads
     actor.weights_backuper.backup("actor")
     recorder = StepRecorder(optimizer, scheduler, models[0])
     logged: list[dict] = []
+    # older miles import miles.utils.tracking_utils as tracking_utils
+    tracker = getattr(log_utils, "tracking", None) or log_utils.tracking_utils
     patcher = mock.patch.object(  # the tracker's log, not ess-patch's hook (restored when done)
-        log_utils.tracking, "log", lambda _a, d, step_key=None: logged.append(dict(d))
+        tracker, "log", lambda _a, d, step_key=None: logged.append(dict(d))
     )
     patcher.start()
     dp_rank = mpu.get_data_parallel_rank(with_context_parallel=False)
@@ -741,7 +770,9 @@ def miles_train(
 
             try:
                 with LossSpy(model_module) if spy else contextlib.nullcontext() as seen:
-                    actor.train_actor(rollout_id, data, witness_info=None, attempt=0)
+                    actor.train_actor(
+                        rollout_id, data, **_train_actor_extras(actor, witness_info=None, attempt=0)
+                    )
             finally:
                 torch.cuda.mem_get_info, torch.cuda.synchronize = saved
             per_step = args.global_batch_size // dp_size
