@@ -756,6 +756,10 @@ def miles_train(
                 "rollout_log_probs": [s["rollout_log_probs"] for s in picked],
                 "sample_indices": list(local),  # the rollout manager's numbering
             }
+            if args.qkv_format == "bshd":  # what miles' get_rollout_data adds for padded rows
+                pad = mpu.get_tensor_model_parallel_world_size() * args.data_pad_size_multiplier
+                longest = -(-max(data["total_lengths"]) // pad) * pad
+                data["max_seq_lens"] = [longest] * len(picked)
             timer = Timer()
             if "train_wait" not in timer.start_time:
                 timer.start("train_wait")

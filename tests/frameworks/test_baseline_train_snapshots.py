@@ -1,6 +1,7 @@
 """VCPO's baseline through the real miles / slime train path on every snapshot, not only the
 newest: ``test_baseline_train_step.py``'s one-process cases (``--use-ess-baseline``, rules
-and exact: every token trains on ``r - b*`` from float64 per-sample norms), each snapshot in
+and exact, miles packed and padded: every token trains on ``r - b*`` from float64
+per-sample norms), each snapshot in
 a fresh interpreter (its own ``sys.modules``) with ``MILES_SRC`` / ``SLIME_SRC`` naming it.
 
 The one snapshot left out, by name: slime v0.2.0. ``ledger_run`` lays the rollout out as
@@ -44,4 +45,5 @@ def test_each_snapshot_trains_on_r_minus_b_star(fw, src, tmp_path):
         extra_args=["-k", f"test_{fw}_trains"],
     )
     assert not skipped, skipped
-    assert len(passed) == 2, tail  # rules and exact
+    # rules and exact; miles also packed (thd) and padded (bshd)
+    assert len(passed) == (4 if fw == "miles" else 2), tail

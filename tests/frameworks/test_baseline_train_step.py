@@ -108,13 +108,16 @@ def test_slime_trains_on_r_minus_b_star(world, path):
 
 
 @pytest.mark.skipif(skip_reason("miles", "full") is not None, reason="miles snapshot")
+@pytest.mark.parametrize("qkv", ["thd", "bshd"], ids=["packed", "padded"])
 @pytest.mark.parametrize("path", ["rules", "exact"])
-def test_miles_trains_packed_thd_on_r_minus_b_star(world, path):
+def test_miles_trains_on_r_minus_b_star(world, path, qkv):
+    """miles' two layouts: packed micro-batches (``--qkv-format thd``, its default) and padded
+    ones (``bshd``)."""
     from ledger_run import miles_train
 
     ess_patch.install()  # the README's call: every integration it finds
     flags = ["--use-ess-baseline", "--ess-baseline-path", path, "--global-batch-size", "8"]
-    _check([miles_train(flags, rollouts=1, spy=True)])
+    _check([miles_train([*flags, "--qkv-format", qkv], rollouts=1, spy=True)])
 
 
 # --- several processes ----------------------------------------------------------------------------
@@ -147,27 +150,35 @@ def _rank_train(fw: str, flags: list[str], tp: int = 1, pp: int = 1) -> dict:
     return run
 
 
+#: (framework, its micro-batch layout flags): slime always packs (THD); miles packs by
+#: default (``--qkv-format thd``) and pads with ``bshd``
 FRAMEWORKS = [
     pytest.param(
         fw,
+        qkv,
+        id=f"{fw}-{'padded' if 'bshd' in qkv else 'packed'}",
         marks=pytest.mark.skipif(
             skip_reason(fw, "full") is not None, reason=skip_reason(fw, "full") or ""
         ),
     )
-    for fw in ("slime", "miles")
+    for fw, qkv in (
+        ("slime", []),
+        ("miles", ["--qkv-format", "thd"]),
+        ("miles", ["--qkv-format", "bshd"]),
+    )
 ]
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize(("fw", "qkv"), FRAMEWORKS)
 @pytest.mark.parametrize(("n", "path"), [(2, "rules"), (8, "exact")], ids=["whole", "split"])
-def test_dp2_every_rank_trains_on_r_minus_b_star_of_the_whole_rollout(fw, n, path, tmp_path):
+def test_dp2_every_rank_trains_on_r_minus_b_star_of_the_whole_rollout(fw, qkv, n, path, tmp_path):
     """DP2 through the real train path: each rank trains on its half of the 8 samples. With
     2 samples per prompt every group is on one rank; with 8 every group is split over the two
     ranks and ``b*`` is reduced over DP (the float64 reference sees all 8 samples)."""
     from harness import run_ranks
 
-    flags = ["--use-ess-baseline", "--ess-baseline-path", path, "--global-batch-size", "8"]
+    flags = ["--use-ess-baseline", "--ess-baseline-path", path, "--global-batch-size", "8", *qkv]
     flags += ["--n-samples-per-prompt", str(n), "--rollout-batch-size", str(8 // n)]
     runs = run_ranks(
         _rank_train, dp=2, args=(fw, flags), tmp_path=tmp_path, timeout=300, gloo_groups=True
@@ -177,9 +188,9 @@ def test_dp2_every_rank_trains_on_r_minus_b_star_of_the_whole_rollout(fw, n, pat
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize(("fw", "qkv"), FRAMEWORKS)
 @pytest.mark.parametrize("path", ["rules", "exact"])
-def test_tp2_the_sharded_head_trains_every_sample_on_r_minus_b_star(fw, path, tmp_path):
+def test_tp2_the_sharded_head_trains_every_sample_on_r_minus_b_star(fw, qkv, path, tmp_path):
     """TP2 through the real train path: the two ranks are one TP group, each with every sample
     and its half of a vocabulary-parallel head (the framework's loss takes vocabulary-parallel
     log-probs). The norms are summed over TP (the replicated embedding counted once) and both
@@ -187,7 +198,7 @@ def test_tp2_the_sharded_head_trains_every_sample_on_r_minus_b_star(fw, path, tm
     from harness import run_ranks
     from ledger_run import VOCAB_TP
 
-    flags = ["--use-ess-baseline", "--ess-baseline-path", path, "--global-batch-size", "8"]
+    flags = ["--use-ess-baseline", "--ess-baseline-path", path, "--global-batch-size", "8", *qkv]
     runs = run_ranks(
         _rank_train, dp=2, args=(fw, flags, 2), tmp_path=tmp_path, timeout=300, gloo_groups=True
     )
@@ -199,16 +210,16 @@ def test_tp2_the_sharded_head_trains_every_sample_on_r_minus_b_star(fw, path, tm
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize(("fw", "qkv"), FRAMEWORKS)
 @pytest.mark.parametrize("path", ["rules", "exact"])
-def test_pp2_the_last_stage_trains_every_sample_on_r_minus_b_star(fw, path, tmp_path):
+def test_pp2_the_last_stage_trains_every_sample_on_r_minus_b_star(fw, qkv, path, tmp_path):
     """PP2 through the real train path and megatron's pipeline schedule: the first stage
     holds the embedding, the second the head; both run the norm pass together and step their
     optimizers; the loss, on the last stage, trains every token on ``r - b*`` of the float64
     reference on the whole model."""
     from harness import run_ranks
 
-    flags = ["--use-ess-baseline", "--ess-baseline-path", path, "--global-batch-size", "8"]
+    flags = ["--use-ess-baseline", "--ess-baseline-path", path, "--global-batch-size", "8", *qkv]
     runs = run_ranks(
         _rank_train,
         pp=2,
