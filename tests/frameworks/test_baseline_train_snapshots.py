@@ -1,8 +1,8 @@
 """VCPO's baseline through the real miles / slime train path on every snapshot, not only the
 newest: ``test_baseline_train_step.py``'s one-process cases (``--use-ess-baseline``, rules
 and exact, miles packed and padded: every token trains on ``r - b*`` from float64
-per-sample norms), each snapshot in
-a fresh interpreter (its own ``sys.modules``) with ``MILES_SRC`` / ``SLIME_SRC`` naming it.
+per-sample norms), each snapshot in a fresh interpreter (its own ``sys.modules``) with
+``MILES_SRC`` / ``SLIME_SRC`` naming it.
 
 The one snapshot left out, by name: slime v0.2.0. ``ledger_run`` lays the rollout out as
 slime v0.3 does (``num_microbatches``, ``micro_batch_indices``), which v0.2.0's train loop does

@@ -201,7 +201,6 @@ def test_a_refused_engine_update_changes_nothing_dp2(tmp_path, src, env):
         timeout=600,
         collective_timeout=300,
     )
-    import torch
 
     for r in results:
         assert r.get("error", "").startswith("FailClosedNotImplementedError"), r.get("error")
@@ -391,7 +390,6 @@ def test_pp2_both_stages_train_on_r_minus_b_star(tmp_path, src, layout):
     (activations down, gradients back); every mini-batch the last stage's loss gets carries
     A - b* with b* from one backward per trajectory on the whole model, on rules, exact and
     proxy; and both stages end with the weights of the one-process run (rules, exact)."""
-    sys.path.insert(0, str(HERE.parent))
     from pipeline_ranks import stage_weights
 
     expect = _expected(tmp_path, src)
@@ -494,7 +492,6 @@ def test_off_and_shadow_train_bit_identically_to_unpatched_verl(tmp_path, src):
         runs[name] = run_ranks(
             _baseline_rank, dp=2, args=(str(src), scenario), tmp_path=tmp_path / name, timeout=300
         )
-    import torch
 
     for name in ("off", "shadow"):
         for plain, other in zip(runs["plain"], runs[name], strict=True):

@@ -23,6 +23,8 @@ def block_causal_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """``[1, 1, total, total]``, megatron's convention (True = masked out): token ``t`` sees
     the tokens ``<= t`` of its own packed sequence only."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    if int(cu_seqlens[0]) != 0 or bool((lengths < 0).any()):
+        raise ValueError(f"cu_seqlens {cu_seqlens.tolist()} must start at 0 and not decrease")
     if int(cu_seqlens[-1]) != total:
         raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])}, the packed row has {total}")
     segment = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)

@@ -228,24 +228,6 @@ def verl_batch(seed: int = 0, *, gae_like: bool = False) -> Any:
     )
 
 
-def _logp(model: Any, batch: Any) -> Any:
-    """``[b, RESP_W]`` log-probs of each row's response tokens (0 past its end), the forward
-    on each row without its padding."""
-    import torch
-
-    rows = []
-    for k in range(batch["input_ids"].shape[0]):
-        valid = batch["attention_mask"][k].bool()
-        tokens = batch["input_ids"][k][valid]
-        total, r = tokens.numel(), int(valid[-RESP_W:].sum())
-        pos = torch.arange(total)[None]
-        logits = model(tokens[None], pos, None, runtime_gather_output=True)[0]
-        lp = torch.log_softmax(logits[total - r - 1 : total - 1].float(), -1)
-        lp = lp.gather(1, tokens[total - r :, None]).squeeze(1)
-        rows.append(torch.cat([lp, torch.zeros(RESP_W - r)]))
-    return torch.stack(rows)
-
-
 def _record_policy_loss(seen: list, steps: list[int]) -> None:
     """verl's own policy loss, as the real ``forward_backward_batch``'s ``loss_func`` calls it
     (this release's ``get_policy_loss_fn``, PPO-clipped, eps from the actor config),
@@ -408,7 +390,7 @@ def run_baseline(src: str, scenario: dict) -> dict:
                 loader = local.make_iterator(mini_batch_size=2, epochs=1)
             else:
                 loader = actor.make_minibatch_iterator(local)
-            # megatron's p2p synchronizes CUDA around each send (a no-op for gloo on CPU)
+            # megatron's p2p synchronizes CUDA in its shape exchange (nothing to wait for here)
             synchronize, torch.cuda.synchronize = torch.cuda.synchronize, lambda *_a: None
             try:
                 metrics = actor.update_policy(dataloader=loader)
@@ -440,8 +422,9 @@ def expected_probe(src: str, seed: int = 0) -> dict:
     one backward of ``sum_t mask_t w_t log p(y_t)`` over every parameter (plain
     ``log_softmax`` on the unpadded trajectory, ``w_t = exp(old - rollout)``), GRPO's
     advantage of each sample from verl's batch, and ``min_variance_baseline`` on them: the
-    advantage each sample must train with, and the batch rows' input ids (to find a row's
-    sample)."""
+    advantage each sample must train with; each sample's response log-probs before any
+    step (``log_probs``), and its batch row's old log-probs (``rows``: how a row verl's loss
+    got is told to be that sample's)."""
     import torch
 
     _import_verl(src)
