@@ -403,7 +403,19 @@ def test_a_baseline_that_would_not_apply_stops_every_rank(fw, snapshot, case, tm
         assert ("train_actor" if case == "no-actor" else "r - b*") in r["error"]
 
 
-@pytest.mark.parametrize("fw", ["miles", "slime"])
+@pytest.mark.parametrize(
+    "fw",
+    [
+        pytest.param(
+            fw,
+            marks=pytest.mark.skipif(
+                tier_reason(fw, "full") is not None,
+                reason=f"{tier_reason(fw, 'full')}: runs in tox -e frameworks, which installs it",
+            ),
+        )
+        for fw in ("miles", "slime")
+    ],
+)
 @pytest.mark.parametrize(
     ("argv", "match"),
     [
@@ -415,8 +427,6 @@ def test_a_baseline_that_would_not_apply_stops_every_rank(fw, snapshot, case, tm
     ],
 )
 def test_the_parser_refuses_what_the_baseline_cannot_serve(fw, argv, match):
-    if tier_reason(fw, "full") is not None:
-        pytest.skip(tier_reason(fw, "full"))
     ess_patch.install(["megatron", fw])
     try:
         base = [*MINIMAL_ARGV, "--n-samples-per-prompt", "4", "--use-ess-baseline"]

@@ -324,7 +324,7 @@ def run_baseline(src: str, scenario: dict) -> dict:
     import ess_patch
 
     if not scenario.get("no_install"):
-        ess_patch.install("verl")
+        ess_patch.install()  # the README's call: every integration it finds
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from verl.workers.actor.megatron_actor import MegatronPPOActor
