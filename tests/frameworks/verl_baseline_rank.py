@@ -194,6 +194,7 @@ def verl_batch(seed: int = 0, *, gae_like: bool = False) -> Any:
         "input_ids": torch.zeros(n, width, dtype=torch.long),
         "attention_mask": torch.zeros(n, width, dtype=torch.long),
         "position_ids": torch.zeros(n, width, dtype=torch.long),
+        "prompts": torch.zeros(n, PROMPT_W, dtype=torch.long),
         "responses": torch.zeros(n, RESP_W, dtype=torch.long),
         "response_mask": torch.zeros(n, RESP_W, dtype=torch.long),
         "old_log_probs": torch.zeros(n, RESP_W),
@@ -207,6 +208,7 @@ def verl_batch(seed: int = 0, *, gae_like: bool = False) -> Any:
         tensors["attention_mask"][k, PROMPT_W - p : PROMPT_W + r] = 1
         pos = torch.clamp(tensors["attention_mask"][k].cumsum(0) - 1, min=0)
         tensors["position_ids"][k] = pos
+        tensors["prompts"][k, PROMPT_W - p :] = t["prompt"][i]
         tensors["responses"][k, :r] = t["response"][i]
         tensors["response_mask"][k, :r] = t["mask"][i]
         tensors["old_log_probs"][k, :r] = t["old"][i]
@@ -312,6 +314,36 @@ def _optimizer(models: list) -> Any:
     return get_megatron_optimizer(config, models, use_gloo_process_groups=False)
 
 
+def build(scenario: dict, out: dict) -> tuple[Any, Any, Any]:
+    """This rank's GPT model (TP-sharded over ``tp`` ranks, or its stage of two with ``pp``),
+    wrapped in megatron DDP, and a real megatron-core optimizer; ``out`` gets this rank's
+    coordinates (and, TP-sharded, the brute-force expectation on this very model). Call inside
+    ``megatron_on_cpu()``."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    tp = scenario.get("tp", 1)
+    if tp > 1:  # the launcher's DP-only world, regrouped: TP inside, DP across
+        mpu.destroy_model_parallel()
+        mpu.initialize_model_parallel(
+            tensor_model_parallel_size=tp, create_gloo_process_groups=False
+        )
+    # two pipeline stages of the one-process weights
+    model = stage_model() if scenario.get("pp") else gpt_model(tp)
+    out.update(
+        dp=mpu.get_data_parallel_rank(with_context_parallel=False),
+        dp_size=mpu.get_data_parallel_world_size(with_context_parallel=False),
+        tp=mpu.get_tensor_model_parallel_rank(),
+        pp=mpu.get_pipeline_model_parallel_rank(),
+    )
+    if tp > 1:  # the brute-force expectation on this very model, before the update
+        out["expected_here"] = _brute_force_tp(model, scenario.get("seed", 0))
+    ddp = DistributedDataParallel(
+        model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model
+    )
+    return model, ddp, _optimizer([ddp])
+
+
 def run_baseline(src: str, scenario: dict) -> dict:
     """One rank: install (unless ``no_install``), build verl's real ``MegatronPPOActor`` around
     the GPT model (megatron DDP, real optimizer) with the config from Hydra (``hydra``), run
@@ -325,35 +357,15 @@ def run_baseline(src: str, scenario: dict) -> dict:
 
     if not scenario.get("no_install"):
         ess_patch.install()  # the README's call: every integration it finds
-    from megatron.core import parallel_state as mpu
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from verl.workers.actor.megatron_actor import MegatronPPOActor
     from verl_rank import composed
 
     from ess_patch.demo.cpu import megatron_on_cpu
 
-    tp = scenario.get("tp", 1)
-    if tp > 1:  # the launcher's DP-only world, regrouped: TP inside, DP across
-        mpu.destroy_model_parallel()
-        mpu.initialize_model_parallel(
-            tensor_model_parallel_size=tp, create_gloo_process_groups=False
-        )
-    staged = None
-    if scenario.get("pp"):  # two pipeline stages of the one-process weights
-        with megatron_on_cpu():
-            staged = stage_model()
-    dp_rank = mpu.get_data_parallel_rank(with_context_parallel=False)
-    dp_size = mpu.get_data_parallel_world_size(with_context_parallel=False)
-    out: dict[str, Any] = {"dp": dp_rank, "tp": mpu.get_tensor_model_parallel_rank()}
-    out["pp"] = mpu.get_pipeline_model_parallel_rank()
+    out: dict[str, Any] = {}
     with megatron_on_cpu():
-        model = staged if staged is not None else gpt_model(tp)
-        if tp > 1:  # the brute-force expectation on this very model, before the update
-            out["expected_here"] = _brute_force_tp(model, scenario.get("seed", 0))
-        ddp = DistributedDataParallel(
-            model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model
-        )
-        optimizer = _optimizer([ddp])
+        model, ddp, optimizer = build(scenario, out)
+        dp_rank, dp_size = out["dp"], out["dp_size"]
         import verl.utils.config
 
         root = composed(src, scenario.get("hydra", []))

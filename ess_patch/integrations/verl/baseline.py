@@ -54,7 +54,7 @@ from ...state import STATE
 from ..baseline_hook import check_applied, rewrite_rewards
 from .baseline_config import SUPPORTED_BASELINE, BaselineSettings
 
-__all__ = ["ROW_KEY", "read_back", "rewrite"]
+__all__ = ["ROW_KEY", "check_minibatch", "read_back", "rewrite"]
 
 #: the batch key that carries each row's index in the chunk to the mini-batches (read back,
 #: then removed before verl sees the mini-batch)
@@ -94,6 +94,9 @@ def _check_layout(chosen: BaselineSettings, actor: Any, data: Any) -> None:
             "Unset actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size",
         )
     temperature = getattr(data, "meta_info", {}).get("temperature", 1.0)
+    if isinstance(temperature, torch.Tensor):  # the engine path may carry one per sample
+        values = temperature.unique().tolist()
+        temperature = values[0] if len(values) == 1 else values
     if temperature not in (None, 1, 1.0):
         _refuse(
             chosen,
@@ -133,6 +136,9 @@ def _rollout(data: Any, chosen: BaselineSettings) -> tuple[dict, list[str]]:
     attention = batch["attention_mask"].bool()
     width = mask.shape[-1]
     ids = batch["input_ids"]
+    # the engine path's driver unpads input_ids (nested, one row per trajectory) and keeps the
+    # padded attention mask beside it; the legacy actor gets both padded
+    packed = list(ids.unbind()) if getattr(ids, "is_nested", False) else None
     # a TensorDict refuses `key in td`
     weights = chosen.use_is_weights and "rollout_log_probs" in batch.keys()  # noqa: SIM118
     out: dict[str, list] = {
@@ -140,7 +146,7 @@ def _rollout(data: Any, chosen: BaselineSettings) -> tuple[dict, list[str]]:
         for k in ("tokens", "response_lengths", "loss_masks", "log_probs", "rollout_log_probs")
     }
     rewards, problems = [], []
-    for i in range(ids.shape[0]):
+    for i in range(attention.shape[0]):
         response = attention[i, -width:]
         length = int(response.sum())
         if not bool(response[:length].all()) or bool(mask[i, length:].any()):
@@ -159,8 +165,15 @@ def _rollout(data: Any, chosen: BaselineSettings) -> tuple[dict, list[str]]:
                 "trajectory: a critic's GAE or REINFORCE++, not GRPO)"
             )
             break
+        tokens = ids[i][attention[i]] if packed is None else packed[i]
+        if tokens.numel() != int(attention[i].sum()):
+            problems.append(
+                f"row {i} has {tokens.numel()} input_ids but {int(attention[i].sum())} "
+                "attended positions (the unpadded trajectory is unknown)"
+            )
+            break
         rewards.append(a)
-        out["tokens"].append(ids[i][attention[i]])
+        out["tokens"].append(tokens)
         out["response_lengths"].append(length)
         out["loss_masks"].append(mask[i, :length].float())
         if weights:
@@ -245,31 +258,33 @@ def rewrite(actor: Any, data: Any, chosen: BaselineSettings, dp_group: Any) -> d
     return record
 
 
+def check_minibatch(batch: Any, record: dict, dp_group: Any, drawn_by: str) -> None:
+    """One mini-batch (``batch``: its TensorDict) as verl is about to train on it: the row key
+    taken out and, when on, its advantages checked against ``A - b*`` (every DP rank
+    together); ``drawn_by`` names what verl drew it with (for the error)."""
+    # the same on every rank: verl's own iterator (a TensorDict refuses `key in td`)
+    if ROW_KEY not in batch.keys():  # noqa: SIM118
+        raise EssLrNotAppliedError(
+            f"ess-patch (verl): VCPO's baseline was requested but verl trained on a mini-batch "
+            f"that {drawn_by} did not make (its rows are unknown, so its advantages cannot be "
+            f"read back). Use verl's {drawn_by}, or turn the baseline off"
+        )
+    rows = batch[ROW_KEY].tolist()
+    del batch[ROW_KEY]
+    if record["mode"] != "on":
+        return
+    mask = batch["response_mask"].bool()
+    adv = batch["advantages"]
+    sub = {"advantages": [adv[k][mask[k]] for k in range(len(rows))]}
+    mine = {"mode": "on", "expected": [record["expected"][r] for r in rows], "metrics": {}}
+    check_applied(_FRAMEWORK, record["host_args"], sub, mine, dp_group, fix=_FIX)
+
+
 def read_back(dataloader: Iterable[Any], record: dict, dp_group: Any) -> Iterator[Any]:
-    """The mini-batches as verl draws them, each one's advantages checked against ``A - b*``
-    (every DP rank together) before verl trains on it, and the row key taken out."""
-    applied = record["mode"] == "on"
+    """The mini-batches as verl draws them, each one checked (:func:`check_minibatch`) before
+    verl trains on it."""
     for data in dataloader:
-        # the same on every rank: verl's own iterator (a TensorDict refuses `key in td`)
-        if ROW_KEY not in data.batch.keys():  # noqa: SIM118
-            raise EssLrNotAppliedError(
-                "ess-patch (verl): VCPO's baseline was requested but update_policy drew a "
-                "mini-batch that make_minibatch_iterator's selection did not make (its rows "
-                "are unknown, so its advantages cannot be read back). Use verl's "
-                "make_minibatch_iterator, or turn the baseline off"
-            )
-        rows = data.batch[ROW_KEY].tolist()
-        del data.batch[ROW_KEY]
-        if applied:
-            mask = data.batch["response_mask"].bool()
-            adv = data.batch["advantages"]
-            sub = {"advantages": [adv[k][mask[k]] for k in range(len(rows))]}
-            mine = {
-                "mode": "on",
-                "expected": [record["expected"][r] for r in rows],
-                "metrics": {},
-            }
-            check_applied(_FRAMEWORK, record["host_args"], sub, mine, dp_group, fix=_FIX)
+        check_minibatch(data.batch, record, dp_group, "make_minibatch_iterator")
         yield data
-    if applied:
+    if record["mode"] == "on":
         record["metrics"]["ess_baseline_applied"] = 1.0

@@ -58,8 +58,9 @@ BASELINE_KEYS = (
 )
 #: where verl gets the baseline (every other path refuses it by name)
 SUPPORTED_BASELINE = (
-    "verl's legacy Megatron actor (MegatronPPOActor.update_policy, verl v0.6.0 to v0.7.x; "
-    "on v0.7.x trainer.use_legacy_worker_impl other than disable) with "
+    "verl's Megatron actor on either path: the engine path (ActorRolloutRefWorker.update_actor "
+    "-> TrainingWorker.train_batch, verl v0.7.0 to main; from v0.8.0 the only one) or the legacy "
+    "actor (MegatronPPOActor.update_policy, verl v0.6.0 to v0.7.x), with "
     "context_parallel_size=1 and one model chunk (no virtual pipeline), "
     "and GRPO-style advantages (algorithm.adv_estimator grpo: one value per trajectory, "
     "group mean zero)"

@@ -6,26 +6,30 @@ in the package's docstring (``verl/__init__.py``)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from contextlib import ExitStack
+from typing import Any, NamedTuple
 
 from ...errors import FailClosedNotImplementedError
 from ...guard import arm, refuse
 from ..binding import bind_method
 from ..framework import applied_metrics, result_metrics
 from .adapters import argument, attach_optimizer, refuse_other_backends, release, strategy_of
-from .baseline_config import refuse_baseline
+from .baseline_config import baseline_settings, refuse_baseline
 from .batch import compute_batch
 from .config import settings
+from .engine_baseline import check, rewritten
 
 _ENGINE_STATE = "_ess_patch_engine_actor"  # on the actor's TrainingWorker during update_actor
-_ENGINE_HAS_NO_BASELINE = (
-    "verl's engine path (ActorRolloutRefWorker.update_actor -> TrainingWorker.train_batch) "
-    "gets advantages with no norm pass"
-)
-_TO_LEGACY = (
-    "On verl v0.7.x train through the legacy Megatron actor (trainer.use_legacy_worker_impl="
-    "auto or enable); verl v0.8.0 and later have no legacy actor"
-)
+
+
+class _Mark(NamedTuple):
+    """What ``update_actor`` leaves on the actor's ``TrainingWorker`` for its ``train_batch``
+    calls: ESS-LR's settings and the rollout's result (granularity "rollout"), the baseline's
+    record; None where off."""
+
+    chosen: Any
+    rollout: Any
+    baseline: dict | None
 
 
 def engine_update_actor_wrapper(
@@ -33,49 +37,76 @@ def engine_update_actor_wrapper(
 ) -> Any:
     """``ActorRolloutRefWorker.update_actor(data)``: mark the actor's ``TrainingWorker`` for
     the call (with the rollout's result under granularity "rollout"), attach its engine's
-    optimizer; refuse a non-Megatron actor while ESS-LR is on."""
+    optimizer; refuse a non-Megatron actor while ESS-LR is on. VCPO's baseline: ``data``'s
+    advantages rewritten to ``A - b*`` for the call (``verl/engine_baseline.py``)."""
     actor_config = getattr(getattr(instance, "config", None), "actor", None)
     trainer = getattr(instance, "actor", None)
-    if actor_config is not None and trainer is not None:
-        refuse_baseline(actor_config, _ENGINE_HAS_NO_BASELINE, _TO_LEGACY)
-    chosen = None if actor_config is None else settings(actor_config)
-    if chosen is None or trainer is None:
-        return wrapped(*args, **kwargs)  # off (or not the actor's worker): untouched
-    refuse_other_backends(strategy_of(actor_config))
+    if actor_config is None or trainer is None:
+        return wrapped(*args, **kwargs)  # not the actor's worker: untouched
+    baseline = baseline_settings(actor_config)
+    chosen = settings(actor_config)
+    if chosen is None and baseline is None:
+        return wrapped(*args, **kwargs)  # off: untouched
+    strategy = strategy_of(actor_config)
+    if chosen is not None:
+        refuse_other_backends(strategy)
+    if baseline is not None and strategy not in (None, "megatron"):
+        refuse_baseline(
+            actor_config,
+            f"verl's {strategy!r} engine lends no Megatron model to the norm pass",
+            "Use the Megatron actor (actor_rollout_ref.actor.strategy=megatron)",
+        )
     data = argument(bind_method(wrapped, instance, args, kwargs), wrapped, "data")
-    rollout = compute_batch(data, chosen.config) if chosen.config.granularity == "rollout" else None
+    rollout = (
+        compute_batch(data, chosen.config)
+        if chosen is not None and chosen.config.granularity == "rollout"
+        else None
+    )
+    enabled = chosen is not None and chosen.enabled
     optimizer = getattr(getattr(trainer, "engine", None), "optimizer", None)
     attached = False
-    try:  # the mark and the attachment never outlive the call, even if attaching raises
-        vars(trainer)[_ENGINE_STATE] = (chosen, rollout)
-        attached = chosen.enabled and attach_optimizer(optimizer)
-        return wrapped(*args, **kwargs)
-    finally:
-        vars(trainer).pop(_ENGINE_STATE, None)
-        release(optimizer, attached, chosen.enabled)
+    with ExitStack() as stack:
+        try:  # the mark and the attachment never outlive the call, even if attaching raises
+            record = None
+            if baseline is not None:
+                record = stack.enter_context(rewritten(trainer, data, baseline))
+            vars(trainer)[_ENGINE_STATE] = _Mark(chosen, rollout, record)
+            attached = enabled and attach_optimizer(optimizer)
+            return wrapped(*args, **kwargs)
+        finally:
+            vars(trainer).pop(_ENGINE_STATE, None)
+            release(optimizer, attached, enabled)
 
 
 def engine_train_batch_wrapper(
     wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict
 ) -> Any:
-    """``TrainingWorker.train_batch(data)`` of the actor (inside ``update_actor``): arm this
-    mini-batch's result for the engine's optimizer step and add it to the step's metrics
-    (the driver prefixes them with ``actor/``). Any other TrainingWorker: untouched."""
+    """``TrainingWorker.train_batch(data)`` of the actor (inside ``update_actor``): the
+    baseline's mini-batch read back, this mini-batch's result armed for the engine's optimizer
+    step, both added to the step's metrics (the driver prefixes them with ``actor/``). Any
+    other TrainingWorker: untouched."""
     marked = None if instance is None else vars(instance).get(_ENGINE_STATE)
     if marked is None:
         return wrapped(*args, **kwargs)
-    chosen, rollout = marked
     data = argument(bind_method(wrapped, instance, args, kwargs), wrapped, "data")
-    result = rollout if rollout is not None else compute_batch(data, chosen.config)
-    if chosen.enabled:
-        arm(result)
+    added: dict[str, float] = {}
+    if marked.baseline is not None:  # before anything trains on it, on every rank
+        added.update(check(data, marked.baseline))
+    chosen, result = marked.chosen, None
+    if chosen is not None:
+        result = (
+            marked.rollout if marked.rollout is not None else compute_batch(data, chosen.config)
+        )
+        if chosen.enabled:
+            arm(result)
     out = wrapped(*args, **kwargs)
     metrics = _engine_metrics(out)
     if metrics is not None:  # only the ranks verl gathers outputs from
-        # the scale the step applied, read back from it (never copied from the result)
-        metrics.update(
-            applied_metrics(result) if chosen.enabled else result_metrics(result, applied=False)
-        )
+        if result is not None:  # the scale the step applied, read back from it
+            metrics.update(
+                applied_metrics(result) if chosen.enabled else result_metrics(result, applied=False)
+            )
+        metrics.update(added)
     return out
 
 
@@ -91,7 +122,7 @@ def tinker_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwar
         actor_config,
         f"the Tinker worker ({type(instance).__name__}.{wrapped.__name__}) trains the actor "
         "outside update_actor, with no norm pass",
-        "Train through verl's PPO trainer on the legacy Megatron actor",
+        "Train through verl's PPO trainer (ActorRolloutRefWorker.update_actor)",
     )
     if settings(actor_config) is not None:
         refuse(
