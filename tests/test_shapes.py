@@ -8,6 +8,7 @@ parameter name and keep what they do not touch.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import types
 from dataclasses import dataclass
@@ -241,3 +242,33 @@ def test_doctor_shows_the_chosen_shape_or_the_problem(host, clean_ess):
     _shape(report, "targets: fakefw", fails)
     assert len(report.problems) == 1
     assert f"{HOST}.get_parallel_state does not exist" in report.problems[0]
+
+
+def test_module_found_imports_no_package_above_the_module(monkeypatch, tmp_path):
+    """ModuleFound / ModuleGone look a module up without importing its parent packages: a
+    package whose ``__init__`` imports the module that is mid-import when the check runs
+    (verl v0.7.x: core_algos -> verl.workers.config -> the check of
+    verl.workers.actor.megatron_actor, whose package imports dp_actor -> core_algos) would
+    otherwise be a circular import."""
+    from ess_patch.integrations.shapes import ModuleFound, ModuleGone, module_exists
+
+    root = tmp_path / "hostpkg_found"
+    (root / "sub").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "sub" / "__init__.py").write_text("raise RuntimeError('sub imported')\n")
+    (root / "sub" / "leaf.py").write_text("")
+    (root / "plain.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert ModuleFound("hostpkg_found.sub.leaf").missing() is None
+    assert ModuleGone("hostpkg_found.sub.leaf").missing() == "module hostpkg_found.sub.leaf exists"
+    assert ModuleFound("hostpkg_found.sub.gone").missing() == (
+        "module hostpkg_found.sub.gone does not exist"
+    )
+    assert not module_exists("hostpkg_found.plain.below")  # a module has no submodules
+    assert not module_exists("no_such_top_level_pkg.sub")
+    assert "hostpkg_found.sub" not in sys.modules and "hostpkg_found" not in sys.modules
+    importlib.import_module("hostpkg_found")  # an imported parent: its __path__ is searched
+
+    assert module_exists("hostpkg_found.sub.leaf")
+    assert "hostpkg_found.sub" not in sys.modules
+    del sys.modules["hostpkg_found"]

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib.machinery import PathFinder
 from importlib.util import find_spec
 from typing import Any
 
@@ -28,7 +30,16 @@ from ..patching import MissingTargetError
 from ..state import register_cache
 from .binding import undecorated
 
-__all__ = ["Aspect", "Feature", "History", "MethodTakes", "ModuleFound", "ModuleGone", "Shape"]
+__all__ = [
+    "Aspect",
+    "Feature",
+    "History",
+    "MethodTakes",
+    "ModuleFound",
+    "ModuleGone",
+    "Shape",
+    "module_exists",
+]
 
 _ABSENT = object()
 
@@ -90,6 +101,39 @@ class Feature:
         return None
 
 
+def module_exists(name: str) -> bool:
+    """Whether module ``name`` exists, found without importing it or any package above it.
+
+    ``importlib.util.find_spec("a.b.c")`` imports ``a.b``, and a package's ``__init__`` may
+    import the very module whose import asked (verl v0.7.x: ``core_algos`` imports
+    ``verl.workers.config``, whose hook checks ``verl.workers.actor.megatron_actor``, whose
+    package imports ``dp_actor``, which imports ``core_algos``: a circular import). So each
+    level is looked up in the search path of the one above (``sys.modules`` where imported).
+    """
+    parts = name.split(".")
+    locations: list[str] | None = None
+    for depth in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:depth])
+        module = sys.modules.get(prefix)
+        if module is not None:
+            locations = getattr(module, "__path__", None)
+        else:
+            try:
+                spec = (
+                    find_spec(prefix)  # a top-level name: imports nothing
+                    if depth == 1
+                    else PathFinder.find_spec(prefix, list(locations or ()))
+                )
+            except (ImportError, ValueError):
+                return False
+            if spec is None:
+                return False
+            locations = spec.submodule_search_locations
+        if depth < len(parts) and locations is None:  # a module, not a package
+            return False
+    return True
+
+
 @dataclass(frozen=True)
 class ModuleFound(Feature):
     """A module that exists, found without importing it (``find_spec``): a check must not
@@ -99,11 +143,7 @@ class ModuleFound(Feature):
     symbol: str = ""
 
     def missing(self) -> str | None:
-        try:
-            found = find_spec(self.module) is not None
-        except ModuleNotFoundError:  # a parent package is missing
-            found = False
-        return None if found else f"module {self.module} does not exist"
+        return None if module_exists(self.module) else f"module {self.module} does not exist"
 
     def __str__(self) -> str:
         return self.module

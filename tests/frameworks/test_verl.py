@@ -549,3 +549,18 @@ def test_doctor_names_the_supported_releases_and_the_path_used(tmp_path, src):
         assert "legacy actor none (removed in v0.8.0)" in shape
     if not has_engine_path(src):
         assert "engine none (before v0.7.0)" in shape
+
+
+@pytest.mark.parametrize("src", SNAPSHOTS, ids=[p.name for p in SNAPSHOTS])
+def test_verl_stays_installed_when_core_algos_is_its_first_import(tmp_path, src):
+    """The driver imports verl.trainer.ppo.core_algos (through ray_trainer) before anything
+    in verl.workers: the shape checks that this import triggers find modules without
+    importing their packages (v0.7.x's verl.workers.actor imports dp_actor, which imports the
+    core_algos still mid-import), so verl is installed, not rolled back."""
+    (r,) = run_ranks(
+        _probe,
+        args=("first_import_probe", str(src), "verl.trainer.ppo.core_algos"),
+        tmp_path=tmp_path,
+    )
+    assert r["failures"] == {}, r["failures"]
+    assert r["config_wrapped"] and r["targets"]

@@ -117,9 +117,12 @@ def _constant_schedule(optimizer: Any) -> Any:
     )
 
 
-def _worker(engine: Any, actor_node: Any, actor_config: Any, dp_rank: int) -> Any:
+def _worker(
+    engine: Any, actor_node: Any, actor_config: Any, dp_rank: int, strategy: str | None
+) -> Any:
     """verl's real ``ActorRolloutRefWorker`` holding a real ``TrainingWorker`` (no Ray actor:
-    both built without their ``__init__``) with verl's ``ppo_loss`` on ``actor_config``."""
+    both built without their ``__init__``) with verl's ``ppo_loss`` on ``actor_config``; the
+    worker's own actor config says ``strategy`` when given (what an FSDP actor's would)."""
     from omegaconf import OmegaConf
     from verl.utils.profiler import DistProfiler
     from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
@@ -138,9 +141,12 @@ def _worker(engine: Any, actor_node: Any, actor_config: Any, dp_rank: int) -> An
         profiler=DistProfiler(rank=dp_rank, config=None),  # verl's own, disabled
     )
     worker = object.__new__(ActorRolloutRefWorker)
+    node = OmegaConf.to_container(actor_node, resolve=True)
+    if strategy is not None:
+        node["strategy"] = strategy
     vars(worker).update(
         actor=trainer,
-        config=OmegaConf.create({"actor": OmegaConf.to_container(actor_node, resolve=True)}),
+        config=OmegaConf.create({"actor": node}),
         enable_routing_replay=False,
     )
     return worker
@@ -185,6 +191,25 @@ def driver_chunk(scenario: dict, dp_rank: int, dp_size: int, actor_node: Any) ->
     return tu.chunk_tensordict(td, dp_size)[dp_rank]
 
 
+def _tamper_iterator(how: str) -> None:
+    """verl's mini-batch iterator (this process only) yields mini-batches whose advantages
+    are doubled (``"double"``: not what the baseline wrote) or whose rows are unknown
+    (``"drop"``: the row key taken out, as an iterator ess-patch did not see would)."""
+    from verl.utils import tensordict_utils as tu
+
+    original = tu.make_iterator
+
+    def make_iterator(*args: Any, **kwargs: Any) -> Any:
+        for mini in original(*args, **kwargs):
+            if how == "double":
+                mini["advantages"] = mini["advantages"] * 2
+            else:
+                del mini["_ess_patch_row"]
+            yield mini
+
+    tu.make_iterator = make_iterator
+
+
 def run(src: str, scenario: dict) -> dict:
     """One rank: install (unless ``no_install``), build the model, the engine and the workers,
     ``update_actor`` on this DP rank's chunk; report what verl's loss got (``seen``), the
@@ -212,7 +237,8 @@ def run(src: str, scenario: dict) -> dict:
         node = root.actor_rollout_ref.actor
         actor_config = verl.utils.config.omega_conf_to_dataclass(node)
         remove_padding = node.megatron.get("use_remove_padding", True)
-        worker = _worker(_engine(ddp, optimizer, remove_padding), node, actor_config, out["dp"])
+        engine = _engine(ddp, optimizer, remove_padding)
+        worker = _worker(engine, node, actor_config, out["dp"], scenario.get("strategy"))
         seen: list = []
         steps = [0]
         _record_policy_loss(seen, steps)
@@ -226,6 +252,8 @@ def run(src: str, scenario: dict) -> dict:
         before = [p.detach().clone() for p in ddp.parameters()]
         data = driver_chunk(scenario, out["dp"], out["dp_size"], node)
         given = data["advantages"].clone()
+        if scenario.get("tamper"):  # something between verl's selection and its loss
+            _tamper_iterator(scenario["tamper"])
         try:
             # megatron's p2p synchronizes CUDA in its shape exchange (nothing to wait for here)
             synchronize, torch.cuda.synchronize = torch.cuda.synchronize, lambda *_a: None

@@ -563,3 +563,27 @@ def tinker_probe(src: str) -> dict:
                 out[f"{request}_{name}"] = f"{type(exc).__name__}: {exc}"
     out["targets"] = [t for t in ess_patch.installed_targets() if "Tinker" in t]
     return out
+
+
+def first_import_probe(src: str, module: str) -> dict:
+    """install("verl"), then ``module`` as the first verl module this process imports (the
+    driver's ``main_ppo`` -> ``ray_trainer`` -> ``core_algos`` chain starts there): what
+    failed, and whether the targets of the modules it pulled in are wrapped."""
+    import importlib
+
+    _import_verl(src)
+    import ess_patch
+    from ess_patch.install import failed_integrations, installed_targets
+
+    ess_patch.install("verl")
+    importlib.import_module(module)
+    import verl.utils.config
+    import verl.workers
+
+    from ess_patch.patching import is_ours
+
+    return {
+        "failures": failed_integrations(),
+        "targets": [t for t in installed_targets() if t.startswith("verl.")],
+        "config_wrapped": is_ours(verl.utils.config.omega_conf_to_dataclass),
+    }
