@@ -484,3 +484,18 @@ def test_rho_and_scale_axes_follow_the_data():
         assert any(list(line.get_ydata()) == [1.0, 1.0] for line in ax.get_lines())
     finally:
         plt.close(fig)
+
+
+def test_megatron_on_cpu_sends_a_positional_cuda_ordinal_to_the_cpu():
+    """Inside megatron_on_cpu, torch.cuda.current_device() is 0 (megatron asks for it), so
+    host code moves tensors with ``.to(0)``: Tensor.to and the parser behind TensorDict.to
+    (``torch._C._nn._parse_to``, what verl's engine calls with ``get_device_id()``) land on
+    the CPU instead of failing for want of an accelerator."""
+    import torch
+
+    from ess_patch.demo.cpu import megatron_on_cpu
+
+    with megatron_on_cpu():
+        device, *_ = torch._C._nn._parse_to(torch.cuda.current_device())
+        moved = torch.ones(2).to(0)
+    assert device == torch.device("cpu") and moved.device.type == "cpu"

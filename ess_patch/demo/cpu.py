@@ -69,7 +69,8 @@ class _CudaToCpu(TorchFunctionMode):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.cuda:
             return args[0]
-        if func is torch.Tensor.to:
+        # Tensor.to and the parser behind TensorDict.to take the device positionally
+        if func is torch.Tensor.to or func is torch._C._nn._parse_to:
             args = tuple("cpu" if _is_cuda(a) else a for a in args)
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)

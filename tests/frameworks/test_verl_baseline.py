@@ -1,10 +1,10 @@
 """VCPO's minimum-variance baseline in verl (``ESS_LR_BASELINE*``, VCPO's
 ``actor.grad_baselining``), through verl's REAL code on the snapshots the verl tests use.
 
-Every verl path that cannot apply the baseline refuses it by name, before anything runs: the
-engine path's ``update_actor`` (v0.7.0 and later), the legacy FSDP actor, main's Tinker
-worker; a refused update changes no parameter and no LR. The settings themselves (which keys,
-which values) are checked without verl.
+Here: the legacy Megatron actor (v0.6.0 to v0.7.x) through its real train step; the engine
+path (v0.7.0 to main) is ``test_verl_engine_baseline.py``. Every verl path that cannot apply
+the baseline refuses it by name, before anything runs: the legacy FSDP actor, main's Tinker
+worker. The settings themselves (which keys, which values) are checked without verl.
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ from test_verl import (
     NEWEST,
     ONE_OF_EACH,
     SKIP,
-    SNAPSHOTS,
-    has_engine_path,
     has_legacy_actor,
 )
 
@@ -139,75 +137,45 @@ def _probe(name: str, *args):
     return getattr(verl_baseline_rank, name)(*args)
 
 
+def _has_tinker(src: Path) -> bool:
+    return (src / "verl" / "workers" / "engine_workers_tinker.py").is_file()
+
+
+#: the trees with a path that refuses the baseline (the legacy FSDP actor, the Tinker worker)
+REFUSING = [
+    p for p in dict.fromkeys([*ONE_OF_EACH, *NEWEST]) if has_legacy_actor(p) or _has_tinker(p)
+]
+
+
 @needs_verl
 @pytest.mark.dist
-@pytest.mark.parametrize("src", [*ONE_OF_EACH, *NEWEST], ids=lambda p: p.name)
-def test_engine_fsdp_and_tinker_refuse_the_baseline_by_name(tmp_path, src):
+@pytest.mark.parametrize("src", REFUSING, ids=lambda p: p.name)
+def test_fsdp_and_tinker_refuse_the_baseline_by_name(tmp_path, src):
     """Asked for by ESS_LR_BASELINE=1, ESS_LR_BASELINE_SHADOW=1 or VCPO's key (ESS-LR off):
-    each path refuses with the fail-closed type naming verl, the setting and what is
-    supported; off, verl's own code runs (and fails on its own on a batch of None)."""
+    the legacy FSDP actor and main's Tinker worker each refuse with the fail-closed type
+    naming verl, the setting and what is supported; off, verl's own code runs (and fails on
+    its own on a batch of None). The engine path serves it (test_verl_engine_baseline.py)."""
     (r,) = run_ranks(_probe, args=("refusal_probe", str(src)), tmp_path=tmp_path, timeout=240)
-    names = [n for n, has in (("engine", has_engine_path), ("fsdp", has_legacy_actor)) if has(src)]
-    if (src / "verl" / "workers" / "engine_workers_tinker.py").is_file():
+    names = ["fsdp"] if has_legacy_actor(src) else []
+    if _has_tinker(src):
         names.append("tinker")
-    assert names
     sources = {
         "env_on": "ESS_LR_BASELINE=1",
         "env_shadow": "ESS_LR_BASELINE_SHADOW=1",
         "vcpo_key": "actor.grad_baselining.enable",
     }
-    where = {"engine": "engine path", "fsdp": "FSDP actor", "tinker": "Tinker worker"}
     for name in names:
         for request, source in sources.items():
             error = r[f"{name}_{request}"]
             assert error.startswith(
                 f"FailClosedNotImplementedError: ess-patch (verl): VCPO's baseline was "
-                f"requested ({source}) but verl's {where[name]}"
-                if name != "tinker"
+                f"requested ({source}) but verl's FSDP actor"
+                if name == "fsdp"
                 else "FailClosedNotImplementedError: ess-patch (verl): VCPO's baseline was "
                 f"requested ({source}) but the Tinker worker"
             ), error
             assert "Supported: " in error and "turn the baseline off" in error
         assert "baseline" not in r[f"{name}_off"]  # verl's own error
-
-
-def _engine_rank(src: str, scenario: dict) -> dict:
-    sys.path.insert(0, str(HERE))
-    import verl_engine_rank
-
-    return verl_engine_rank.run(src, scenario)
-
-
-ENGINE_ONLY = [p for p in SNAPSHOTS if has_engine_path(p) and not has_legacy_actor(p)]
-# the engine-only tree that runs on this environment's megatron-core (verl >= 0.9 needs 0.17)
-ENGINE_HERE = [p for p in ENGINE_ONLY if p.name == "verl-v0.8.0"][:1]
-
-
-@needs_verl
-@pytest.mark.dist
-@pytest.mark.parametrize("src", ENGINE_HERE, ids=lambda p: p.name)
-@pytest.mark.parametrize(
-    "env", [{"ESS_LR_BASELINE": "1"}, {"ESS_LR_BASELINE": "1", "ESS_LR_ENABLE": "1"}]
-)
-def test_a_refused_engine_update_changes_nothing_dp2(tmp_path, src, env):
-    """verl's real update_actor -> train_mini_batch -> train_batch (real megatron-core
-    optimizer): with the baseline asked for (alone, or beside ESS-LR), every rank stops
-    before any step: no inner update ran, the parameters and LRs are as they were."""
-    results = run_ranks(
-        _engine_rank,
-        dp=2,
-        args=(str(src), {"env": env}),
-        tmp_path=tmp_path,
-        timeout=600,
-        collective_timeout=300,
-    )
-
-    for r in results:
-        assert r.get("error", "").startswith("FailClosedNotImplementedError"), r.get("error")
-        assert "ESS_LR_BASELINE=1" in r["error"] and "engine path" in r["error"]
-        assert r["applied"] == [] and r["seen"] == []
-        assert r["after"] == r["scheduled"] and r["armed_after"] is None
-        assert all(torch.equal(a, b) for a, b in zip(r["params_before"], r["params"], strict=True))
 
 
 def _baseline_rank(src: str, scenario: dict) -> dict:

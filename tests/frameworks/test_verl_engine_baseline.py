@@ -141,7 +141,10 @@ def test_the_engine_in_tp2_dp2_x_tp2_and_pp2(tmp_path, name, layout):
             mine = stage_weights(one["state"], r["pp"], 2, 2)
             assert sorted(mine) == sorted(r["state"])
             for key, value in r["state"].items():
-                assert torch.allclose(value, mine[key], rtol=1e-4, atol=1e-6), (path, key)
+                # two Adam steps at lr 1e-2 (each moves a weight by about 1e-2), summed in
+                # another order over the stages: float32 rounding, far below one step
+                diff = (value - mine[key]).abs().max().item()
+                assert torch.allclose(value, mine[key], rtol=1e-4, atol=1e-5), (path, key, diff)
 
 
 @pytest.mark.parametrize("name", [n for n in RELEASES if n in TREES])

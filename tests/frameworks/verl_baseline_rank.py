@@ -16,7 +16,7 @@ import os
 from types import SimpleNamespace
 from typing import Any
 
-from verl_rank import _import_verl, has_engine_path, has_legacy_actor
+from verl_rank import _import_verl, has_legacy_actor
 
 #: the ways to ask for the baseline: (environment, actor-config node)
 REQUESTS = {
@@ -28,8 +28,8 @@ REQUESTS = {
 
 
 def refusal_probe(src: str) -> dict:
-    """The engine path's ``update_actor``, the legacy FSDP actor's ``update_policy`` and main's
-    Tinker worker, each with every request of :data:`REQUESTS` (ESS-LR itself off): the error
+    """The legacy FSDP actor's ``update_policy`` and main's Tinker worker, each with every
+    request of :data:`REQUESTS` (ESS-LR itself off): the error
     each raised (off: verl's own error on a batch of None)."""
     from omegaconf import OmegaConf
 
@@ -43,13 +43,6 @@ def refusal_probe(src: str) -> dict:
             os.environ.pop(key, None)
         os.environ.update(env)
         calls = []
-        if has_engine_path():
-            from verl.workers.engine_workers import ActorRolloutRefWorker
-
-            worker = object.__new__(ActorRolloutRefWorker)
-            config = OmegaConf.create({"actor": {"strategy": "megatron", **node}})
-            vars(worker).update(actor=object(), config=config)
-            calls.append(("engine", lambda w=worker: w.update_actor(None)))
         if has_legacy_actor():
             from verl.workers.actor.dp_actor import DataParallelPPOActor
 

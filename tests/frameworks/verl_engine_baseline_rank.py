@@ -265,7 +265,10 @@ def run(src: str, scenario: dict) -> dict:
             out["metrics"] = {k: v for k, v in metrics.items() if "ess_baseline" in k}
             out["lr_scale"] = metrics.get("lr_scale")
         except Exception as exc:  # reported: the test compares every rank's error
+            import traceback
+
             out["error"] = f"{type(exc).__name__}: {exc}"
+            out["traceback"] = traceback.format_exc()
         out["seen"] = seen
         out["params_unchanged"] = all(
             torch.equal(a, b.detach()) for a, b in zip(before, ddp.parameters(), strict=True)
