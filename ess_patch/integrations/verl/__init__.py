@@ -35,11 +35,13 @@ path.
   the same per mini-batch (or per rollout) ESS, armed for each ``actor_optimizer.step()`` as
   ``update_policy`` draws the mini-batches, metrics as ``actor/...`` lists.
 - VCPO's baseline (``ESS_LR_BASELINE*`` or VCPO's ``actor.grad_baselining``, with or without
-  ESS-LR; ``verl/baseline_config.py``): ``make_minibatch_iterator`` rewrites the chunk's
-  GRPO advantages to ``A - b*`` for the mini-batches (``verl/baseline.py``: the norm pass on
-  ``actor_module``, groups from ``uid`` reduced over DP), ``update_policy`` reads each
-  mini-batch back before verl trains on it and logs ``actor/ess_baseline_*``. The engine
-  path's ``update_actor``, the FSDP actor and the Tinker worker refuse it by name.
+  ESS-LR; ``verl/baseline_config.py``): the chunk's GRPO advantages rewritten to ``A - b*``
+  before any mini-batch is drawn (``verl/baseline.py``: the norm pass on the actor's model
+  chunks, groups from ``uid`` reduced over DP), every mini-batch read back before verl trains
+  on it, ``actor/ess_baseline_*`` logged. Legacy actor: ``make_minibatch_iterator`` rewrites,
+  ``update_policy`` reads back. Engine path: ``update_actor`` rewrites the driver's
+  TensorDict for the call, each ``train_batch`` reads its mini-batch back
+  (``verl/engine_baseline.py``). The FSDP actor and the Tinker worker refuse it by name.
 - ``TinkerActorRolloutRefWorker.forward_backward`` /
   ``TinkerActorRolloutRefWorker.optimizer_step`` (main's Tinker worker): refused while ESS-LR is
   on (they step the actor outside ``update_actor`` / ``train_batch``), before any gradient.
@@ -90,7 +92,8 @@ modules and the supported releases), ``engine.py`` (the engine path and the Tink
 ``legacy_actor.py`` (the legacy Megatron actor and the FSDP actor's refusal), ``batch.py``
 (the ESS of one batch, both paths'), ``adapters.py`` (a bound argument, the optimizer
 attached for one update, the strategy refusal), ``driver.py``, ``config.py`` and
-``baseline_config.py`` (settings), ``baseline.py`` (VCPO's baseline). Every public name is
+``baseline_config.py`` (settings), ``baseline.py`` (VCPO's baseline) and
+``engine_baseline.py`` (it on the engine path's TensorDict). Every public name is
 re-exported here.
 """
 

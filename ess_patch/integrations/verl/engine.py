@@ -1,6 +1,7 @@
 """verl's engine path (v0.7.0 on; from v0.8.0 the only actor path): ``update_actor`` marks
-the actor's ``TrainingWorker``, each ``train_batch`` arms its mini-batch's ESS for the
-engine's one ``optimizer_step()``; main's Tinker worker is refused. What each target does is
+the actor's ``TrainingWorker`` (and rewrites the advantages for VCPO's baseline), each
+``train_batch`` reads its mini-batch back and arms its ESS for the engine's one
+``optimizer_step()``; main's Tinker worker is refused. What each target does is
 in the package's docstring (``verl/__init__.py``)."""
 
 from __future__ import annotations
