@@ -181,18 +181,25 @@ def test_the_engine_off_and_shadow_train_bit_identically_to_unpatched_verl(tmp_p
 
 
 @pytest.mark.parametrize("name", [n for n in NEWEST if n in TREES])
-def test_the_engine_proxy_and_ess_lr_beside_the_baseline_dp2(tmp_path, name):
-    """path=proxy: A - b* with the proxy's b* (computed by hand), not the exact one; with
-    ESS-LR on beside the baseline (ESS_LR_ENABLE=1) both apply: the exact b* in the
-    advantages and each step's LR scaled (lr_scale below 1)."""
+def test_the_engine_proxy_dynamic_bsz_and_ess_lr_beside_the_baseline_dp2(tmp_path, name):
+    """path=proxy: A - b* with the proxy's b* (computed by hand), not the exact one;
+    use_dynamic_bsz (verl regroups each mini-batch into micro-batches of at most 12 tokens):
+    A - b* on every row; with ESS-LR on beside the baseline (ESS_LR_ENABLE=1) both apply: the
+    exact b* in the advantages and each step's LR scaled (lr_scale below 1)."""
     src = _tree(name)
     expect = _expected(tmp_path, src)
     proxy = [*ON, f"+{ACTOR}.grad_baselining.path=proxy"]
     _check_applied(
         expect, _run(tmp_path / "proxy", src, {"hydra": proxy}, dp=2), want=expect["expected_proxy"]
     )
+    dynamic = _run(tmp_path / "dynamic", src, {"hydra": ON, "dynamic_bsz": True}, dp=2)
+    _check_applied(expect, dynamic)
+    rows = [n for r in dynamic for n in r["micro_batch_rows"]]
+    assert 1 in rows and sum(rows) == 8, rows  # regrouped (fixed micro-batches hold 2 rows)
+    assert all(r["metrics"]["ess_baseline_applied"] == [1.0, 1.0] for r in dynamic)
     both = _run(tmp_path / "both", src, {"hydra": ON, "env": {"ESS_LR_ENABLE": "1"}}, dp=2)
     _check_applied(expect, both)
+    assert {n for r in both for n in r["micro_batch_rows"]} == {2}
     for r in both:
         assert r["metrics"]["ess_baseline_applied"] == [1.0, 1.0]
         scales = r["lr_scale"]

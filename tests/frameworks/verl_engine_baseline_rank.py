@@ -24,10 +24,11 @@ from verl_baseline_rank import build, verl_batch
 from verl_rank import _import_verl, composed
 
 
-def _record_policy_loss(seen: list, steps: list[int]) -> None:
+def _record_policy_loss(seen: list, steps: list[int], calls: list[int]) -> None:
     """verl's own policy loss as ``ppo_loss`` calls it, recording each row it gets: its old
     log-probs (which name the sample), its advantages, the log-probs verl's forward computed,
-    and how many optimizer steps ran before."""
+    and how many optimizer steps ran before; and the rows of each call (``calls``: one per
+    micro-batch)."""
     import verl.workers.utils.losses as losses
 
     real = losses.get_policy_loss_fn
@@ -36,6 +37,7 @@ def _record_policy_loss(seen: list, steps: list[int]) -> None:
         loss_fn = real(mode)
 
         def recorded(**kwargs: Any) -> Any:
+            calls.append(int(kwargs["advantages"].shape[0]))
             for k in range(kwargs["advantages"].shape[0]):
                 seen.append(
                     (
@@ -52,7 +54,9 @@ def _record_policy_loss(seen: list, steps: list[int]) -> None:
     losses.get_policy_loss_fn = get_policy_loss_fn
 
 
-def _engine(ddp: Any, optimizer: Any, remove_padding: bool) -> Any:
+def _engine(ddp: Any, optimizer: Any, remove_padding: bool, dynamic_bsz: bool = False) -> Any:
+    # with dynamic_bsz, micro-batches of at most 12 tokens: about one trajectory each (11 at
+    # most), so verl regroups the mini-batch
     """verl's real ``MegatronEngineWithLMHead`` around ``ddp`` (its ``forward_step`` and
     everything under it verl's own), as its ``__init__`` leaves it for a Qwen2 text model."""
     from verl.utils.megatron_utils import register_megatron_training_hooks
@@ -61,9 +65,9 @@ def _engine(ddp: Any, optimizer: Any, remove_padding: bool) -> Any:
 
     engine_config = McoreEngineConfig()
     for key, value in {
-        "use_dynamic_bsz": False,
+        "use_dynamic_bsz": dynamic_bsz,  # micro-batches by tokens (max_token_len_per_gpu)
         "micro_batch_size_per_gpu": 2,
-        "max_token_len_per_gpu": 64,
+        "max_token_len_per_gpu": 12 if dynamic_bsz else 64,
         "use_remove_padding": remove_padding,
     }.items():
         object.__setattr__(engine_config, key, value)
@@ -237,11 +241,12 @@ def run(src: str, scenario: dict) -> dict:
         node = root.actor_rollout_ref.actor
         actor_config = verl.utils.config.omega_conf_to_dataclass(node)
         remove_padding = node.megatron.get("use_remove_padding", True)
-        engine = _engine(ddp, optimizer, remove_padding)
+        engine = _engine(ddp, optimizer, remove_padding, scenario.get("dynamic_bsz", False))
         worker = _worker(engine, node, actor_config, out["dp"], scenario.get("strategy"))
         seen: list = []
         steps = [0]
-        _record_policy_loss(seen, steps)
+        out["micro_batch_rows"] = []
+        _record_policy_loss(seen, steps, out["micro_batch_rows"])
         step = optimizer.step
 
         def counted_step(*args: Any, **kwargs: Any) -> Any:
