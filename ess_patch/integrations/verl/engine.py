@@ -18,7 +18,6 @@ from .adapters import argument, attach_optimizer, refuse_other_backends, release
 from .baseline_config import baseline_settings, refuse_baseline
 from .batch import compute_batch
 from .config import settings
-from .engine_baseline import check, rewritten
 
 _ENGINE_STATE = "_ess_patch_engine_actor"  # on the actor's TrainingWorker during update_actor
 
@@ -69,7 +68,9 @@ def engine_update_actor_wrapper(
     with ExitStack() as stack:
         try:  # the mark and the attachment never outlive the call, even if attaching raises
             record = None
-            if baseline is not None:
+            if baseline is not None:  # torch only now: install() itself imports none
+                from .engine_baseline import rewritten
+
                 record = stack.enter_context(rewritten(trainer, data, baseline))
             vars(trainer)[_ENGINE_STATE] = _Mark(chosen, rollout, record)
             attached = enabled and attach_optimizer(optimizer)
@@ -92,6 +93,8 @@ def engine_train_batch_wrapper(
     data = argument(bind_method(wrapped, instance, args, kwargs), wrapped, "data")
     added: dict[str, float] = {}
     if marked.baseline is not None:  # before anything trains on it, on every rank
+        from .engine_baseline import check
+
         added.update(check(data, marked.baseline))
     chosen, result = marked.chosen, None
     if chosen is not None:
