@@ -28,8 +28,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: harness
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import run_ranks
 from megatron_versions import child_env
+from test_verl import SNAPSHOTS, has_legacy_actor
 from test_verl_baseline import ACTOR, LAYOUTS, _check_applied, _expected
-from test_verl_engine import ENV_INNER, RELEASES, _core, _runs_here, _skip_reason, _tree
+from test_verl_engine import (
+    CORE_FOR_09,
+    ENV_INNER,
+    RELEASES,
+    _core,
+    _runs_here,
+    _skip_reason,
+    _tree,
+)
 from upstream import run_pytest
 
 HERE = Path(__file__).resolve().parent
@@ -42,9 +51,19 @@ pytestmark = [
 #: the trees this interpreter runs, and those that run in a fresh one with their megatron-core
 TREES = [name for name in RELEASES if _runs_here(name)]
 ELSEWHERE = [name for name in RELEASES if not _runs_here(name) and not os.environ.get(ENV_INNER)]
-#: the newest tree of each megatron-core: the TP / PP matrix and the features run there
+
+
+def _engine_only(name: str) -> bool:
+    """Whether a tree has the engine path alone (v0.8.0 on; the wheel is 0.9.1)."""
+    tree = next((p for p in SNAPSHOTS if p.name == name), None)
+    return tree is None or not has_legacy_actor(tree)
+
+
+#: the newest tree of each megatron-core (an engine-only one first among equal releases:
+#: @b178a3cd5 is a v0.8.0.dev0 with the legacy actor): the TP / PP matrix and the features
 NEWEST = [
-    max((n for n in RELEASES if _core(n) == core), key=RELEASES.get) for core in {None, "0.17.1"}
+    max((n for n in RELEASES if _core(n) == core), key=lambda n: (RELEASES[n], _engine_only(n)))
+    for core in (None, CORE_FOR_09)
 ]
 #: the rollout's 8 rows in global mini-batches of 4 (2 optimizer steps), micro-batches of 2
 HYDRA = [f"{ACTOR}.ppo_mini_batch_size=4", f"{ACTOR}.ppo_micro_batch_size_per_gpu=2"]
