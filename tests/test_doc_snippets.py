@@ -42,10 +42,23 @@ TIMEOUT = 600
 _SUCCEEDED: set[tuple[str, ...]] = set()
 
 
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _params(lang: str) -> list:
     params = []
     for block in (b for b in BLOCKS if b.lang == lang):
         marks = [pytest.mark.slow] if "slow" in block.options else []
+        if block.options.get("requires") == "gpu":
+            marks.append(
+                pytest.mark.skipif(
+                    not _has_gpu(),
+                    reason=f"{block.id}: needs a GPU (requires=gpu): runs where torch sees one",
+                )
+            )
         params.append(pytest.param(block, "default", id=block.id, marks=marks))
         if lang == "shell" and "slow" not in block.options and "ess-patch demo" in block.code:
             # the demo as written (the default run adds --quick)
@@ -56,12 +69,7 @@ def _params(lang: str) -> list:
 
 
 def _gate(block: Block) -> Path | None:
-    """Skips what this machine cannot run; the covering test's path when there is one."""
-    if block.options.get("requires") == "gpu":
-        import torch
-
-        if not torch.cuda.is_available():
-            pytest.skip(f"{block.id}: needs a GPU (requires=gpu): runs where torch sees one")
+    """The covering test's path when there is one."""
     covered = block.options.get("covered-by")
     if covered is None:
         return None

@@ -223,19 +223,25 @@ def verl_batch(seed: int = 0, *, gae_like: bool = False) -> Any:
     )
 
 
-def _record_policy_loss(seen: list, steps: list[int]) -> None:
-    """verl's own policy loss, as the real ``forward_backward_batch``'s ``loss_func`` calls it
-    (this release's ``get_policy_loss_fn``, PPO-clipped, eps from the actor config),
-    recording each row it gets: its old log-probs (which name the sample), its advantages,
-    the log-probs verl's forward computed, and how many optimizer steps ran before."""
-    import verl.workers.actor.megatron_actor as megatron_actor
+def _record_policy_loss(
+    seen: list, steps: list[int], module: Any = None, calls: list[int] | None = None
+) -> None:
+    """verl's own policy loss, as ``module`` looks it up (this release's
+    ``get_policy_loss_fn``, PPO-clipped, eps from the actor config; default: the legacy
+    actor's ``forward_backward_batch``), recording each row it gets: its old log-probs (which
+    name the sample), its advantages, the log-probs verl's forward computed, and how many
+    optimizer steps ran before; and in ``calls`` the rows of each call (one per micro-batch)."""
+    if module is None:
+        import verl.workers.actor.megatron_actor as module
 
-    real = megatron_actor.get_policy_loss_fn
+    real = module.get_policy_loss_fn
 
     def get_policy_loss_fn(mode: str) -> Any:
         loss_fn = real(mode)
 
         def recorded(**kwargs: Any) -> Any:
+            if calls is not None:
+                calls.append(int(kwargs["advantages"].shape[0]))
             for k in range(kwargs["advantages"].shape[0]):
                 seen.append(
                     (
@@ -249,7 +255,7 @@ def _record_policy_loss(seen: list, steps: list[int]) -> None:
 
         return recorded
 
-    megatron_actor.get_policy_loss_fn = get_policy_loss_fn
+    module.get_policy_loss_fn = get_policy_loss_fn
 
 
 def _tamper_iterator(cls: Any) -> None:

@@ -15,43 +15,13 @@ attention is ``thd_attention``'s CPU counterpart of TE's). The batch is the driv
 
 from __future__ import annotations
 
-import os
 from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
-from verl_baseline_rank import build, verl_batch
-from verl_rank import _import_verl, composed
-
-
-def _record_policy_loss(seen: list, steps: list[int], calls: list[int]) -> None:
-    """verl's own policy loss as ``ppo_loss`` calls it, recording each row it gets: its old
-    log-probs (which name the sample), its advantages, the log-probs verl's forward computed,
-    and how many optimizer steps ran before; and the rows of each call (``calls``: one per
-    micro-batch)."""
-    import verl.workers.utils.losses as losses
-
-    real = losses.get_policy_loss_fn
-
-    def get_policy_loss_fn(mode: str) -> Any:
-        loss_fn = real(mode)
-
-        def recorded(**kwargs: Any) -> Any:
-            calls.append(int(kwargs["advantages"].shape[0]))
-            for k in range(kwargs["advantages"].shape[0]):
-                seen.append(
-                    (
-                        kwargs["old_log_prob"][k].tolist(),
-                        kwargs["advantages"][k].tolist(),
-                        kwargs["log_prob"][k].detach().tolist(),
-                        steps[0],
-                    )
-                )
-            return loss_fn(**kwargs)
-
-        return recorded
-
-    losses.get_policy_loss_fn = get_policy_loss_fn
+from verl_baseline_rank import _record_policy_loss, build, verl_batch
+from verl_engine_rank import engine_on_cpu
+from verl_rank import composed
 
 
 def _engine(ddp: Any, optimizer: Any, remove_padding: bool, dynamic_bsz: bool = False) -> Any:
@@ -220,11 +190,7 @@ def run(src: str, scenario: dict) -> dict:
     metrics and the weights after."""
     import torch
 
-    os.environ.update(scenario.get("env", {}))
-    _import_verl(src)
-    for name in ("max_memory_allocated", "max_memory_reserved"):
-        if not hasattr(torch.cpu, name):
-            setattr(torch.cpu, name, lambda: 0)
+    engine_on_cpu(src, scenario)
     import ess_patch
 
     if not scenario.get("no_install"):
@@ -246,7 +212,9 @@ def run(src: str, scenario: dict) -> dict:
         seen: list = []
         steps = [0]
         out["micro_batch_rows"] = []
-        _record_policy_loss(seen, steps, out["micro_batch_rows"])
+        import verl.workers.utils.losses as losses  # ppo_loss's own policy-loss lookup
+
+        _record_policy_loss(seen, steps, losses, out["micro_batch_rows"])
         step = optimizer.step
 
         def counted_step(*args: Any, **kwargs: Any) -> Any:

@@ -170,16 +170,22 @@ def _data(scenario: dict, dp_rank: int, dp_size: int) -> Any:
     return data
 
 
-def run(src: str, scenario: dict) -> dict:
-    """One rank: install, build the real engines and workers, update the actor, then the
-    critic; report the LRs each inner update applied and the samples it trained on."""
-    from omegaconf import OmegaConf
-
+def engine_on_cpu(src: str, scenario: dict) -> None:
+    """This rank's environment (``scenario["env"]``), verl imported from ``src``, and the
+    ``torch.cpu`` memory counters verl's engine metrics read (CUDA-only names)."""
     os.environ.update(scenario.get("env", {}))
     _import_verl(src)
     for name in ("max_memory_allocated", "max_memory_reserved"):
         if not hasattr(torch.cpu, name):
             setattr(torch.cpu, name, lambda: 0)
+
+
+def run(src: str, scenario: dict) -> dict:
+    """One rank: install, build the real engines and workers, update the actor, then the
+    critic; report the LRs each inner update applied and the samples it trained on."""
+    from omegaconf import OmegaConf
+
+    engine_on_cpu(src, scenario)
     import ess_patch
 
     if not scenario.get("no_install"):
