@@ -25,10 +25,10 @@ from verl_rank import composed
 
 
 def _engine(ddp: Any, optimizer: Any, remove_padding: bool, dynamic_bsz: bool = False) -> Any:
-    # with dynamic_bsz, micro-batches of at most 12 tokens: about one trajectory each (11 at
-    # most), so verl regroups the mini-batch
     """verl's real ``MegatronEngineWithLMHead`` around ``ddp`` (its ``forward_step`` and
-    everything under it verl's own), as its ``__init__`` leaves it for a Qwen2 text model."""
+    everything under it verl's own), as its ``__init__`` leaves it for a Qwen2 text model.
+    With ``dynamic_bsz``, micro-batches of at most 12 tokens: about one trajectory each (11
+    at most), so verl regroups each mini-batch."""
     from verl.utils.megatron_utils import register_megatron_training_hooks
     from verl.workers.config import McoreEngineConfig
     from verl.workers.engine.megatron import transformer_impl as impl
